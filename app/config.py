@@ -1,0 +1,219 @@
+"""The schema of a run: every setting and every default lives here; YAML files only set values.
+
+`load("configs/tiny_cpu.yaml", ["train.learning_rate=3e-4"])` merges the YAML and the `key=value` overrides
+onto the dataclasses below through `OmegaConf.structured`, so an unknown key or a value of the wrong type is
+an error that names the key. `???` marks a value every run must set. Derived sizes are checked once, in
+`RunConfig.__post_init__`, with messages that say what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+MODEL_FAMILIES = ("qwen_image",)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names the key and what to change."""
+
+
+@dataclass
+class ModelConfig:
+    # model family adapter in app/models/ (how prompts are encoded and latents packed)
+    family: str = "qwen_image"
+    # diffusers-layout checkpoint folder (model_index.json at its root)
+    path: str = MISSING
+    # build a deterministic tiny random checkpoint at `path` when it is absent (tests, CPU demo); never downloads
+    build_tiny: bool = False
+    # seed of the tiny checkpoint (only with build_tiny)
+    tiny_seed: int = 0
+    # compute dtype of the transformer for rollout and training; the SDE math is fp32 regardless
+    dtype: str = "bfloat16"
+    # LoRA of the transformer trained by FlowGRPO
+    lora_rank: int = 32
+    lora_alpha: int = 64
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                                 "to_add_out"])
+
+
+@dataclass
+class RolloutConfig:
+    # images per prompt group (the GRPO group size n); one request per group
+    group_size: int = 8
+    height: int = 512
+    width: int = 512
+    # denoising steps of a rollout (T)
+    num_steps: int = 10
+    # true CFG scale (Qwen-Image `true_cfg_scale`); 1.0 disables CFG and the negative prompt
+    guidance_scale: float = 1.0
+    negative_prompt: str = " "
+    # η: SDE noise level of the sampler; 0 is the deterministic ODE (nothing to train on)
+    noise_level: float = 0.7
+    # "sde" (FlowGRPO) or "cps" (coefficient-preserving sampling)
+    sde_type: str = "sde"
+    # True: one request per group with num_outputs_per_prompt = n; False: n requests of one image (comparison)
+    batched_groups: bool = True
+    # Ray Serve replicas of the rollout engine and the resources of each
+    num_replicas: int = 1
+    replica_num_cpus: float = 1.0
+    replica_num_gpus: float = 0.0
+    # concurrent requests one replica accepts (vllm-omni batches them internally)
+    max_ongoing_requests: int = 4
+
+
+@dataclass
+class RewardConfig:
+    # reward name -> weight of the weighted sum ("ocr", "jpeg_compressibility", ...)
+    weights: dict[str, float] = field(default_factory=lambda: {"ocr": 1.0})
+    num_replicas: int = 1
+    replica_num_cpus: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    # optimizer steps of the whole run
+    num_steps: int = 300
+    # prompt groups sampled per optimizer step, over all workers
+    groups_per_step: int = 16
+    learning_rate: float = 1e-4
+    weight_decay: float = 1e-4
+    max_grad_norm: float = 1.0
+    # PPO clip range ε on the likelihood ratio (FlowGRPO uses a tiny one)
+    clip_range: float = 1e-4
+    # β of the KL to the reference policy (the transformer with the adapter disabled)
+    kl_beta: float = 0.04
+    # advantages: "group" std (GRPO) or "batch" std (FlowGRPO global_std); clipped to ±adv_clip_max
+    adv_std_mode: str = "group"
+    adv_clip_max: float = 5.0
+    # fraction of the T denoising steps trained per sample (FlowGRPO timestep_fraction)
+    timestep_fraction: float = 1.0
+    # passes over each batch of rollouts
+    num_inner_epochs: int = 1
+    # samples per forward/backward on one worker
+    micro_batch_size: int = 4
+    # old log-probs: "rollout" (as returned by the engine) or "recompute" (one extra forward)
+    old_logprob: str = "rollout"
+    # score "cps" and the KL as flow_grpo / verl-omni do (to reproduce their runs); see app/algo/sde.py
+    flow_grpo_compat: bool = False
+    seed: int = 0
+    # save an adapter checkpoint every this many steps (0: only at the end)
+    checkpoint_every: int = 50
+
+
+@dataclass
+class DataConfig:
+    # prompt source: a text file with one prompt per line, or a built-in set name ("ocr_tiny")
+    prompts: str = MISSING
+    shuffle: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    # run folder: tensorboard events, checkpoints, image grids, reward curve
+    dir: str = "runs/default"
+    log_every: int = 1
+    image_every: int = 10
+
+
+@dataclass
+class ClusterConfig:
+    # Ray address ("auto" for an existing cluster); None starts a local one
+    address: str | None = None
+    # Ray Train workers (FSDP2 ranks) and the resources of each
+    num_workers: int = 1
+    use_gpu: bool = False
+    worker_num_cpus: float = 1.0
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        _check_run(self)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_run(c: RunConfig) -> None:
+    m, r, t, cl = c.model, c.rollout, c.train, c.cluster
+    _require(m.family in MODEL_FAMILIES, f"model.family={m.family!r} is not one of {MODEL_FAMILIES}")
+    _require(m.dtype in DTYPES, f"model.dtype={m.dtype!r} is not one of {DTYPES}")
+    _require(m.lora_rank >= 1, f"model.lora_rank={m.lora_rank} must be >= 1")
+    _require(r.group_size >= 2, f"rollout.group_size={r.group_size} must be >= 2: advantages compare a group's images")
+    for name in ("height", "width"):
+        value = getattr(r, name)
+        _require(value >= 16 and value % 16 == 0,
+                 f"rollout.{name}={value} must be a positive multiple of 16 (the VAE's 8x and 2x2 patching)")
+    _require(r.num_steps >= 2, f"rollout.num_steps={r.num_steps} must be >= 2 (one step divides by zero)")
+    _require(r.noise_level >= 0, f"rollout.noise_level={r.noise_level} must be >= 0")
+    _require(r.sde_type in ("sde", "cps"), f"rollout.sde_type={r.sde_type!r} must be 'sde' or 'cps'")
+    _require(r.guidance_scale >= 1.0, f"rollout.guidance_scale={r.guidance_scale} must be >= 1 (1 disables CFG)")
+    _require(r.num_replicas >= 1, f"rollout.num_replicas={r.num_replicas} must be >= 1")
+    _require(bool(c.reward.weights), "reward.weights is empty: name at least one reward, e.g. {ocr: 1.0}")
+    _require(t.adv_std_mode in ("group", "batch"), f"train.adv_std_mode={t.adv_std_mode!r} must be 'group' or 'batch'")
+    _require(t.old_logprob in ("rollout", "recompute"),
+             f"train.old_logprob={t.old_logprob!r} must be 'rollout' or 'recompute'")
+    _require(0 < t.timestep_fraction <= 1, f"train.timestep_fraction={t.timestep_fraction} must be in (0, 1]")
+    _require(t.clip_range > 0, f"train.clip_range={t.clip_range} must be > 0")
+    _require(t.kl_beta >= 0, f"train.kl_beta={t.kl_beta} must be >= 0")
+    _require(cl.num_workers >= 1, f"cluster.num_workers={cl.num_workers} must be >= 1")
+    _require(t.groups_per_step % cl.num_workers == 0,
+             f"train.groups_per_step={t.groups_per_step} must be divisible by cluster.num_workers={cl.num_workers} "
+             "(each worker requests the same number of groups)")
+    samples_per_worker = t.groups_per_step // cl.num_workers * r.group_size
+    _require(samples_per_worker % t.micro_batch_size == 0,
+             f"train.micro_batch_size={t.micro_batch_size} must divide the samples per worker per step "
+             f"({samples_per_worker} = groups_per_step / num_workers * group_size)")
+    _require(r.noise_level > 0 or t.num_steps == 0,
+             "rollout.noise_level=0 samples the deterministic ODE: there is nothing to train; set it > 0")
+
+
+def _format_omegaconf_error(err: OmegaConfBaseException, source: str) -> str:
+    key = getattr(err, "full_key", None) or "?"
+    msg = str(err).splitlines()[0]
+    return f"{source}: invalid config key '{key}': {msg}"
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The run config from a YAML file (optional) and `key=value` overrides, validated."""
+    merged: Any = OmegaConf.structured(RunConfig)  # the class, not an instance: no checks before values merge
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.learning_rate=3e-4)")
+    layers = ([(str(path), lambda: OmegaConf.load(path))] if path is not None else []) + [
+        ("overrides", lambda: OmegaConf.from_dotlist(list(overrides)))]
+    for source, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer())
+        except OmegaConfBaseException as err:
+            raise ConfigError(_format_omegaconf_error(err, source)) from None
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(f"required config values are not set: {', '.join(missing)} (set them in the YAML or as "
+                          "key=value overrides)")
+    try:
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_format_omegaconf_error(err, str(path or "overrides"))) from None
+
+
+def to_yaml(config: RunConfig) -> str:
+    """The resolved config as YAML (saved next to every run)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -1,0 +1,144 @@
+"""Deterministic tiny random Qwen-Image checkpoints, built locally (no hub access exists on our machines).
+
+The checkpoint has the real diffusers layout (`model_index.json`, `transformer/`, `vae/`, `text_encoder/`,
+`tokenizer/`, `scheduler/`) in fp32, so diffusers' `QwenImagePipeline` and vllm-omni's Qwen-Image pipeline load it
+like the real model. Same seed → identical tensors and tokenizer.
+
+The prompt-template offset: both pipelines wrap a prompt in Qwen's chat template and drop the first
+`prompt_template_encode_start_idx = 34` hidden states, the length of the system prefix under the real Qwen
+tokenizer. Our tokenizer is a byte-level BPE trained here with Qwen2's pre-tokenizer on a corpus that contains the
+template, so each word of the prefix is one token, as in the real vocabulary, and the prefix is exactly 34 tokens.
+Neither pipeline needs patching; `template_prefix_tokens` lets tests (and the builder) check it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Qwen-Image's chat template, as both pipelines hard-code it; the prompt goes where {} is.
+QWEN_IMAGE_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+QWEN_IMAGE_TEMPLATE_START_IDX = 34  # tokens of the system prefix dropped by the pipelines
+# Qwen2's pre-tokenizer split pattern (what Qwen2Tokenizer builds from vocab + merges)
+_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                   "<|image_pad|>", "<|video_pad|>"]
+_CORPUS = [
+    QWEN_IMAGE_TEMPLATE.format(p) for p in (
+        'a sign that says "OPEN 24H"', 'a red cube on a blue table', 'a photo of a cat', 'text reading "HELLO"',
+        'a neon sign with the words "RAY"', 'a poster that says "FLOW GRPO 2026"', 'sunset over the mountains',
+        'a green tree next to a yellow car', 'the quick brown fox jumps over the lazy dog 0123456789',
+    )
+] * 8
+BUILD_INFO_FILE = "tiny_build.json"
+BUILDER_VERSION = 1  # bump when the architecture below changes, so cached checkpoints are rebuilt
+
+# Architecture: every size the pipelines tie together, in one place.
+TEXT_HIDDEN = 32  # == transformer joint_attention_dim == vision out_hidden_size
+HEAD_DIM = 16  # == sum(axes_dims_rope); text heads: TEXT_HIDDEN / 2 → mrope sections sum to HEAD_DIM / 2
+Z_DIM = 16  # vllm-omni's Qwen-Image expects 16 latent channels; packed 2x2 → in_channels 64
+
+
+def _train_tokenizer(vocab_size: int = 1024):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_CORPUS, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
+                               pad_token="<|endoftext|>", errors="replace")
+    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:]})
+    return tokenizer
+
+
+def template_prefix_tokens(tokenizer) -> int:
+    """How many tokens the template's system prefix (everything before the prompt) takes under `tokenizer`."""
+    prefix = QWEN_IMAGE_TEMPLATE.split("{}")[0]
+    return len(tokenizer(prefix).input_ids)
+
+
+def tiny_qwen_image_components(seed: int = 0) -> dict:
+    """The five pipeline components, random but reproducible: same seed → identical tensors."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = _train_tokenizer()
+    prefix_len = template_prefix_tokens(tokenizer)
+    if prefix_len != QWEN_IMAGE_TEMPLATE_START_IDX:
+        raise RuntimeError(f"tiny tokenizer splits the template prefix into {prefix_len} tokens, "
+                           f"not {QWEN_IMAGE_TEMPLATE_START_IDX}: prompt embeddings would be shifted")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG state is left alone
+        torch.manual_seed(seed)
+        text_config = dict(
+            vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
+        )
+        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config=text_config,
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                               out_hidden_size=TEXT_HIDDEN, fullatt_block_indexes=[0]),
+            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        )).eval()
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=4 * Z_DIM, out_channels=Z_DIM, num_layers=2, attention_head_dim=HEAD_DIM,
+            num_attention_heads=2, joint_attention_dim=TEXT_HIDDEN, axes_dims_rope=(4, 6, 6))
+        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=Z_DIM, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                                     temperal_downsample=[False, True, True])
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
+        shift_terminal=0.02, use_dynamic_shifting=True, time_shift_type="exponential")
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+
+
+def build_tiny_qwen_image(out_dir: str | os.PathLike, seed: int = 0, *, overwrite: bool = False) -> Path:
+    """Write a tiny checkpoint to `out_dir` (fp32, diffusers layout) unless an identical build is already there.
+
+    The folder is written next to its destination and renamed into place, so a reader never sees half a model.
+    """
+    from diffusers import QwenImagePipeline
+
+    out = Path(out_dir).resolve()
+    wanted = {"family": "qwen_image", "seed": seed, "builder_version": BUILDER_VERSION}
+    if not overwrite and is_tiny_build(out, wanted):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        QwenImagePipeline(**tiny_qwen_image_components(seed)).save_pretrained(staging)
+        (staging / BUILD_INFO_FILE).write_text(json.dumps(wanted, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def is_tiny_build(path: str | os.PathLike, wanted: dict | None = None) -> bool:
+    """True when `path` holds a finished tiny build (with the given seed/version when `wanted` is given)."""
+    info = Path(path) / BUILD_INFO_FILE
+    if not info.is_file():
+        return False
+    return wanted is None or json.loads(info.read_text()) == wanted

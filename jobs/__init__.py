@@ -1,0 +1,1 @@
+"""Entry points: `python -m jobs.<name>` (or `ray job submit -- python -m jobs.<name>`)."""

@@ -1,0 +1,78 @@
+"""The run config schema: YAML + overrides, typed, with errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from app.config import ConfigError, RunConfig, load, to_yaml
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_tiny_config_loads_with_yaml_values_and_schema_defaults():
+    cfg = load(CONFIGS / "tiny_cpu.yaml")
+    assert isinstance(cfg, RunConfig)
+    assert cfg.rollout.group_size == 4 and cfg.rollout.height == 64  # from the YAML
+    assert cfg.rollout.sde_type == "sde" and cfg.train.adv_std_mode == "group"  # schema defaults
+
+
+def test_overrides_are_typed():
+    cfg = load(CONFIGS / "tiny_cpu.yaml", ["train.learning_rate=1e-2", "rollout.sde_type=cps"])
+    assert cfg.train.learning_rate == pytest.approx(1e-2) and isinstance(cfg.train.learning_rate, float)
+    assert cfg.rollout.sde_type == "cps"
+
+
+def test_unknown_key_is_an_error_naming_it():
+    with pytest.raises(ConfigError, match="train.learning_rat"):
+        load(CONFIGS / "tiny_cpu.yaml", ["train.learning_rat=1e-3"])
+
+
+def test_unknown_key_in_yaml_is_an_error_naming_it(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((CONFIGS / "tiny_cpu.yaml").read_text() + "\nrollout_extra: 1\n")
+    with pytest.raises(ConfigError, match="rollout_extra"):
+        load(bad)
+
+
+def test_wrong_type_is_an_error_naming_the_key():
+    with pytest.raises(ConfigError, match="rollout.group_size"):
+        load(CONFIGS / "tiny_cpu.yaml", ["rollout.group_size=many"])
+
+
+def test_missing_required_values_are_listed():
+    with pytest.raises(ConfigError, match="data.prompts.*model.path|model.path.*data.prompts"):
+        load(None, [])
+
+
+def test_gpu_config_needs_its_paths():
+    with pytest.raises(ConfigError, match="model.path"):
+        load(CONFIGS / "qwen_image_ocr.yaml")
+    cfg = load(CONFIGS / "qwen_image_ocr.yaml", ["model.path=/models/Qwen-Image", "data.prompts=/data/ocr.txt"])
+    assert cfg.cluster.use_gpu and cfg.rollout.guidance_scale == 4.0
+
+
+@pytest.mark.parametrize("override,match", [
+    ("rollout.height=100", "multiple of 16"),
+    ("rollout.num_steps=1", "num_steps"),
+    ("rollout.group_size=1", "group_size"),
+    ("rollout.sde_type=ddim", "sde_type"),
+    ("train.groups_per_step=3", "divisible by cluster.num_workers"),
+    ("train.micro_batch_size=3", "micro_batch_size"),
+    ("rollout.noise_level=0", "noise_level"),
+])
+def test_cross_field_checks_say_what_to_change(override, match):
+    overrides = [override, "cluster.num_workers=2"] if "divisible" in match else [override]
+    with pytest.raises(ConfigError, match=match):
+        load(CONFIGS / "tiny_cpu.yaml", overrides)
+
+
+def test_override_without_equals_sign():
+    with pytest.raises(ConfigError, match="key=value"):
+        load(CONFIGS / "tiny_cpu.yaml", ["train.learning_rate"])
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load(CONFIGS / "tiny_cpu.yaml", ["train.seed=7"])
+    saved = tmp_path / "resolved.yaml"
+    saved.write_text(to_yaml(cfg))
+    assert load(saved) == cfg
