@@ -1,0 +1,171 @@
+"""Qwen-Image family: schedule, latent packing, the transformer's velocity with true CFG, and the trainer-side
+recompute of rollout log-probs from a stored `Trajectory`.
+
+Everything here follows what vllm-omni 0.30.0's Qwen-Image pipeline does, operation for operation (timestep
+input t/1000 in the latent dtype, CFG `neg + s·(pos − neg)` rescaled to the conditional norm, 2x2 latent packing),
+so that a step scored here equals the step the rollout took: the parity the on-policy ratio depends on.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from app.algo.sde import SDEStepOutput, sde_step
+from app.rollout.types import Trajectory
+
+VAE_SCALE_FACTOR = 8  # 2 ** len(temperal_downsample) of the Qwen-Image VAE
+PATCH = 2  # latents are packed 2x2 into tokens
+
+
+def latent_grid(height: int, width: int, vae_scale_factor: int = VAE_SCALE_FACTOR) -> tuple[int, int]:
+    """(h, w) of the packed token grid: the image is 8x smaller in the VAE and 2x2-patched."""
+    return height // vae_scale_factor // PATCH, width // vae_scale_factor // PATCH
+
+
+def image_seq_len(height: int, width: int, vae_scale_factor: int = VAE_SCALE_FACTOR) -> int:
+    h, w = latent_grid(height, width, vae_scale_factor)
+    return h * w
+
+
+def img_shapes(batch: int, height: int, width: int, vae_scale_factor: int = VAE_SCALE_FACTOR) -> list:
+    return [[(1, *latent_grid(height, width, vae_scale_factor))]] * batch
+
+
+def _calculate_shift(seq_len: int, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float) -> float:
+    """The resolution-dependent time shift μ (linear in the image token count), as diffusers/vllm-omni."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    b = base_shift - m * base_seq_len
+    return seq_len * m + b
+
+
+def schedule(scheduler, num_steps: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(timesteps [T], sigmas [T+1]) of a `FlowMatchEulerDiscreteScheduler` for this many steps and tokens.
+
+    Uses a copy, so the caller's scheduler keeps its state. sigmas[0] = 1 and sigmas[T] = 0.
+    """
+    sched = copy.deepcopy(scheduler)
+    cfg = sched.config
+    mu = _calculate_shift(seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                          cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
+    return sched.timesteps.float(), sched.sigmas.float()
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] → [B, (h/2)(w/2), 4C] (2x2 patches as tokens)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int,
+                   vae_scale_factor: int = VAE_SCALE_FACTOR) -> torch.Tensor:
+    """[B, L, 4C] → [B, C, 1, h, w] (the VAE's 5-D layout with one frame)."""
+    b, _, channels = tokens.shape
+    h, w = 2 * (height // (vae_scale_factor * 2)), 2 * (width // (vae_scale_factor * 2))
+    x = tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, channels // 4, 1, h, w)
+
+
+def initial_latents(generators: Sequence[torch.Generator], num_channels: int, height: int, width: int,
+                    dtype: torch.dtype, device: torch.device | str = "cpu",
+                    vae_scale_factor: int = VAE_SCALE_FACTOR) -> torch.Tensor:
+    """x at σ = 1, one sample per generator: [n, L, 4C]. Same draws as vllm-omni's `prepare_latents`."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    h, w = 2 * (height // (vae_scale_factor * 2)), 2 * (width // (vae_scale_factor * 2))
+    noise = randn_tensor((len(generators), 1, num_channels, h, w), generator=list(generators),
+                         device=torch.device(device), dtype=dtype)  # [n, 1, C, h, w]
+    return pack_latents(noise[:, 0])  # drop the frame axis, then pack
+
+
+def velocity(
+    transformer,
+    latents: torch.Tensor,
+    timestep: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    shapes: list,
+    *,
+    guidance_scale: float = 1.0,
+    negative_prompt_embeds: torch.Tensor | None = None,
+    negative_prompt_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The transformer's velocity at (latents [B, L, 4C], timestep [] or [B] on the ×1000 scale).
+
+    With guidance_scale > 1 (Qwen-Image "true CFG"): v = neg + s·(pos − neg), rescaled per token to ‖pos‖.
+    """
+    t = timestep.expand(latents.shape[0]).to(device=latents.device, dtype=latents.dtype)
+
+    def predict(embeds, mask):
+        return transformer(hidden_states=latents, timestep=t / 1000, guidance=None, encoder_hidden_states_mask=mask,
+                           encoder_hidden_states=embeds, img_shapes=shapes, return_dict=False)[0]
+
+    pos = predict(prompt_embeds, prompt_mask)  # [B, L, 4C]
+    if guidance_scale <= 1:
+        return pos
+    neg = predict(negative_prompt_embeds, negative_prompt_mask)  # [B, L, 4C]
+    comb = neg + guidance_scale * (pos - neg)
+    return comb * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+
+
+def _batch_embeds(embeds: torch.Tensor, mask: torch.Tensor, batch: int, device, dtype):
+    """A group's [S, D] embeddings and [S] mask repeated for a batch of its samples."""
+    return (embeds.to(device=device, dtype=dtype).unsqueeze(0).expand(batch, -1, -1),
+            mask.to(device=device).unsqueeze(0).expand(batch, -1))
+
+
+def score_steps(
+    transformer,
+    traj: Trajectory,
+    steps: Sequence[int],
+    *,
+    samples: Sequence[int] | None = None,
+    flow_grpo_compat: bool = False,
+    dtype: torch.dtype | None = None,
+) -> list[SDEStepOutput]:
+    """Re-score the stored transitions x_{steps[k]} → x_{steps[k]+1} of a trajectory under `transformer`.
+
+    The transformer may carry a peft LoRA (enabled or disabled by the caller) and may require grad: the returned
+    log-probs and means are differentiable. samples: which members of the group (default all).
+    Returns one SDEStepOutput per step, each with log_prob [B] and prev_sample_mean [B, L, 4C].
+    """
+    param = next(transformer.parameters())
+    device, dtype = param.device, dtype or param.dtype
+    idx = list(range(traj.group_size)) if samples is None else list(samples)
+    batch = len(idx)
+    shapes = img_shapes(batch, traj.height, traj.width)
+    embeds, mask = _batch_embeds(traj.prompt_embeds, traj.prompt_mask, batch, device, dtype)
+    neg_embeds = neg_mask = None
+    if traj.do_cfg:
+        neg_embeds, neg_mask = _batch_embeds(traj.negative_prompt_embeds, traj.negative_prompt_mask, batch, device,
+                                             dtype)
+    outputs = []
+    for i in steps:
+        if not 0 <= i < traj.num_steps:
+            raise ValueError(f"step {i} is outside the trajectory's {traj.num_steps} steps")
+        x = traj.latents[idx, i].to(device=device, dtype=dtype)  # [B, L, 4C] as the rollout fed it
+        v = velocity(transformer, x, traj.timesteps[i].to(device), embeds, mask, shapes,
+                     guidance_scale=traj.guidance_scale, negative_prompt_embeds=neg_embeds,
+                     negative_prompt_mask=neg_mask)
+        outputs.append(sde_step(
+            v, x, traj.sigmas[i].item(), traj.sigmas[i + 1].item(), noise_level=traj.noise_level,
+            sde_type=traj.sde_type, sigma_max=traj.sigmas[1].item(),
+            prev_sample=traj.latents[idx, i + 1].to(device), flow_grpo_compat=flow_grpo_compat))
+    return outputs
+
+
+def decode_images(vae, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Packed final latents [n, L, 4C] → uint8 images [n, H, W, 3] (de-normalised, VAE-decoded, rounded)."""
+    x = unpack_latents(latents, height, width).to(vae.dtype)  # [n, C, 1, h, w]
+    z = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(x.device, x.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(x.device, x.dtype)
+    x = x / inv_std + mean
+    image = vae.decode(x, return_dict=False)[0][:, :, 0]  # [n, 3, H, W] in [-1, 1]
+    image = (image / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
+    return torch.from_numpy((image * 255).round().astype("uint8"))

@@ -1,0 +1,174 @@
+"""The reference rollout engine on plain diffusers components: the parity oracle for the vllm-omni engine, and the
+engine where vllm cannot be installed (the lent GPU machine).
+
+Same protocol, same sampler (`app.algo.sde.sde_step`), same per-sample noise (app/rollout/seeding.py) and the
+same Qwen-Image operations (app/models/qwen_image.py) as the vllm-omni pipeline. LoRA: a peft adapter on the
+diffusers transformer, loaded from tensors with `set_peft_model_state_dict`. One group at a time: a diffusers
+pipeline holds per-call state, so requests are serialised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from app.algo.sde import sde_step
+from app.models import qwen_image
+from app.rollout.seeding import draw_seed, sample_generators
+from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
+
+ADAPTER_NAME = "flowgrpo"
+
+
+class DiffusersEngine:
+    kind = "diffusers"
+
+    def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None):
+        self.model_path = str(Path(model_path).resolve())
+        self.dtype = getattr(torch, dtype)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.pipe = None
+        self._lock = threading.Lock()  # one group at a time on the shared modules
+        self._lora_version = 0
+        self._lora_shape: tuple | None = None
+        self._served = 0
+        self._errors = 0
+
+    @property
+    def lora_version(self) -> int:
+        return self._lora_version
+
+    def _load(self) -> None:
+        from diffusers import QwenImagePipeline
+
+        with self._lock:
+            if self.pipe is None:
+                pipe = QwenImagePipeline.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+                pipe.set_progress_bar_config(disable=True)
+                self.pipe = pipe
+
+    async def start(self) -> None:
+        if self.pipe is None:
+            await asyncio.to_thread(self._load)
+
+    @torch.no_grad()
+    def _encode(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, mask = self.pipe.encode_prompt(text, device=self.device, num_images_per_prompt=1)
+        if mask is None:  # diffusers drops an all-ones mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return embeds[0], mask[0]  # [S, D], [S]
+
+    @torch.no_grad()
+    def _generate(self, request: GenerationRequest, seed: int) -> Trajectory:
+        pipe, n = self.pipe, request.n
+        embeds, mask = self._encode(request.prompt)
+        neg_embeds = neg_mask = None
+        if request.do_cfg:
+            neg_embeds, neg_mask = self._encode(request.negative_prompt)
+        generators = sample_generators(seed, request.sample_offset, n)
+        x = qwen_image.initial_latents(generators, pipe.transformer.config.in_channels // 4, request.height,
+                                       request.width, embeds.dtype, self.device)  # [n, L, 4C]
+        timesteps, sigmas = qwen_image.schedule(pipe.scheduler, request.num_steps, x.shape[1])
+        shapes = qwen_image.img_shapes(n, request.height, request.width)
+        batch = lambda e, m: (e.unsqueeze(0).expand(n, -1, -1), m.unsqueeze(0).expand(n, -1))  # noqa: E731
+        pos_e, pos_m = batch(embeds, mask)
+        neg_e, neg_m = batch(neg_embeds, neg_mask) if request.do_cfg else (None, None)
+        latents, log_probs = [x.float()], []
+        for i in range(request.num_steps):
+            v = qwen_image.velocity(pipe.transformer, x, timesteps[i].to(self.device), pos_e, pos_m, shapes,
+                                    guidance_scale=request.guidance_scale, negative_prompt_embeds=neg_e,
+                                    negative_prompt_mask=neg_m)
+            step = sde_step(v, x, sigmas[i], sigmas[i + 1], noise_level=request.noise_level,
+                            sde_type=request.sde_type, sigma_max=sigmas[1], generator=generators)
+            x = step.prev_sample.to(x.dtype)
+            log_prob = step.log_prob if x.dtype == torch.float32 else sde_step(
+                v, latents[-1], sigmas[i], sigmas[i + 1], noise_level=request.noise_level, sde_type=request.sde_type,
+                sigma_max=sigmas[1], prev_sample=x).log_prob  # score the rounded sample the next step sees
+            latents.append(x.float())
+            log_probs.append(log_prob)
+        images = qwen_image.decode_images(pipe.vae, x, request.height, request.width)
+        return Trajectory(
+            prompt=request.prompt, prompt_id=request.prompt_id, images=images,
+            latents=torch.stack(latents, dim=1).cpu(), log_probs=torch.stack(log_probs, dim=1).cpu(),
+            timesteps=timesteps, sigmas=sigmas, prompt_embeds=embeds.float().cpu(), prompt_mask=mask.long().cpu(),
+            negative_prompt_embeds=neg_embeds.float().cpu() if request.do_cfg else None,
+            negative_prompt_mask=neg_mask.long().cpu() if request.do_cfg else None,
+            noise_level=request.noise_level, sde_type=request.sde_type, seed=seed, lora_version=self._lora_version,
+            height=request.height, width=request.width, guidance_scale=request.guidance_scale,
+            sample_offset=request.sample_offset, producer={"engine": self.kind, "pid": os.getpid()})
+
+    def _generate_locked(self, request: GenerationRequest, seed: int) -> Trajectory:
+        with self._lock:
+            started = time.perf_counter()
+            traj = self._generate(request, seed)
+            traj.producer["seconds"] = time.perf_counter() - started
+            return traj
+
+    async def generate(self, request: GenerationRequest) -> Trajectory:
+        if not isinstance(request, GenerationRequest):
+            raise TypeError(f"expected a GenerationRequest, got {type(request).__name__}")
+        await self.start()
+        seed = request.seed if request.seed is not None else draw_seed()
+        try:
+            traj = await asyncio.to_thread(self._generate_locked, request, seed)
+        except Exception:
+            self._errors += 1
+            raise
+        self._served += 1
+        return traj
+
+    def _load_lora(self, adapter: LoraAdapter | None) -> int:
+        from peft import LoraConfig, set_peft_model_state_dict
+
+        with self._lock:
+            transformer = self.pipe.transformer
+            if adapter is None:
+                if self._lora_shape is not None:
+                    transformer.disable_adapters()
+                self._lora_version = 0
+                return 0
+            shape = (adapter.rank, adapter.alpha, tuple(sorted(adapter.target_modules)))
+            if self._lora_shape != shape:
+                if self._lora_shape is not None:
+                    transformer.delete_adapters(ADAPTER_NAME)
+                transformer.add_adapter(LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha,
+                                                   target_modules=list(adapter.target_modules)), ADAPTER_NAME)
+                self._lora_shape = shape
+            tensors = {k.removeprefix("base_model.model.").removeprefix("transformer."): v
+                       for k, v in adapter.tensors.items()}
+            result = set_peft_model_state_dict(transformer, tensors, adapter_name=ADAPTER_NAME)
+            if result.unexpected_keys:
+                raise ValueError(f"LoRA tensors do not match the transformer: {result.unexpected_keys[:3]}")
+            transformer.enable_adapters()
+            transformer.set_adapter(ADAPTER_NAME)
+            self._lora_version = adapter.version
+            return adapter.version
+
+    async def load_lora(self, adapter: LoraAdapter | None) -> int:
+        await self.start()
+        return await asyncio.to_thread(self._load_lora, adapter)
+
+    async def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
+        await self.start()
+
+        def load() -> int:
+            with self._lock:
+                state = {k.removeprefix("transformer."): v for k, v in named_tensors.items()}
+                result = self.pipe.transformer.load_state_dict(state, strict=False)
+                if result.unexpected_keys:
+                    raise ValueError(f"unknown transformer weights: {result.unexpected_keys[:3]}")
+                return len(state)
+
+        return await asyncio.to_thread(load)
+
+    async def health(self) -> dict:
+        return {"kind": self.kind, "model": self.model_path, "started": self.pipe is not None,
+                "lora_version": self._lora_version, "served": self._served, "errors": self._errors}
+
+    async def close(self) -> None:
+        self.pipe = None

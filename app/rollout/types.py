@@ -1,0 +1,173 @@
+"""The records passed between rollout, reward and trainer.
+
+`GenerationRequest` asks for one prompt group; it is validated when constructed, so a bad request fails before
+any engine sees it. `Trajectory` is what comes back: the images and everything the trainer needs to score the
+same steps again (latents visited, schedule, log-probs, the prompt embeddings actually used), so nothing is
+recomputed by guessing. `LoraAdapter` is a LoRA of the transformer in peft/diffusers naming, in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from app.algo.sde import SDE_TYPES
+MAX_GROUP_SIZE = 256
+MAX_SEED = 2**63 - 1
+
+
+def _fail(name: str, value, why: str) -> None:
+    raise ValueError(f"{name}={value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt group: `n` images of `prompt`, sampled with the FlowGRPO SDE."""
+
+    prompt: str
+    # images in the group (the GRPO group size)
+    n: int = 1
+    height: int = 512
+    width: int = 512
+    # denoising steps T
+    num_steps: int = 10
+    # Qwen-Image true CFG; > 1 needs a negative prompt
+    guidance_scale: float = 1.0
+    negative_prompt: str | None = None
+    # η of the SDE; 0 samples the ODE (deterministic, nothing to train on)
+    noise_level: float = 0.7
+    sde_type: str = "sde"
+    # seeds the whole group (initial noise and every SDE step); None: the engine draws one and records it
+    seed: int | None = None
+    # index of the group's first image: a per-sample request for image j of a group sets n=1, sample_offset=j
+    sample_offset: int = 0
+    prompt_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            _fail("prompt", self.prompt, "must be a non-empty string")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_GROUP_SIZE:
+            _fail("n", self.n, f"must be an integer in [1, {MAX_GROUP_SIZE}] (images per prompt group)")
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 16 or value % 16:
+                _fail(name, value, "must be a positive multiple of 16 (the VAE's 8x and 2x2 patching)")
+        if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 2:
+            _fail("num_steps", self.num_steps, "must be an integer >= 2 (one step divides by zero in the schedule)")
+        if not _is_real(self.guidance_scale) or self.guidance_scale < 1:
+            _fail("guidance_scale", self.guidance_scale, "must be a number >= 1 (1 disables CFG)")
+        if self.guidance_scale > 1 and self.negative_prompt is None:
+            _fail("negative_prompt", None, "is required when guidance_scale > 1 (true CFG); ' ' is the usual choice")
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            _fail("negative_prompt", self.negative_prompt, "must be a string or None")
+        if not _is_real(self.noise_level) or self.noise_level < 0:
+            _fail("noise_level", self.noise_level, "must be a number >= 0")
+        if self.sde_type not in SDE_TYPES:
+            _fail("sde_type", self.sde_type, f"must be one of {SDE_TYPES}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            _fail("seed", self.seed, f"must be an integer in [0, {MAX_SEED}] or None")
+        if not isinstance(self.sample_offset, int) or self.sample_offset < 0:
+            _fail("sample_offset", self.sample_offset, "must be an integer >= 0")
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.guidance_scale > 1
+
+    def replace(self, **changes) -> GenerationRequest:
+        return dataclasses.replace(self, **changes)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class Trajectory:
+    """One prompt group as sampled. Tensors live on the CPU; L = packed latent tokens, C = packed channels."""
+
+    prompt: str
+    prompt_id: str | None
+    images: torch.Tensor  # uint8 [n, H, W, 3]
+    latents: torch.Tensor  # fp32 [n, T+1, L, C]: x at sigmas[0..T] (packed layout of the family)
+    log_probs: torch.Tensor  # fp32 [n, T]: log-prob of each taken step under the rollout policy
+    timesteps: torch.Tensor  # fp32 [T]: the model's timestep input ×1000 (sigma·1000 after shifting)
+    sigmas: torch.Tensor  # fp32 [T+1]: noise levels visited, sigmas[T] = 0
+    prompt_embeds: torch.Tensor  # [S, D] text-encoder states the transformer saw (shared by the group)
+    prompt_mask: torch.Tensor  # int64 [S]
+    noise_level: float
+    sde_type: str
+    seed: int
+    lora_version: int
+    height: int
+    width: int
+    guidance_scale: float = 1.0
+    negative_prompt_embeds: torch.Tensor | None = None  # [S', D] when CFG is on
+    negative_prompt_mask: torch.Tensor | None = None  # int64 [S']
+    sample_offset: int = 0
+    # who produced it (engine kind, replica): staleness and load balancing are measured, not assumed
+    producer: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n, t1 = self.latents.shape[:2]
+        num_steps = t1 - 1
+        checks = [
+            (self.images.dtype == torch.uint8 and self.images.shape == (n, self.height, self.width, 3),
+             f"images {tuple(self.images.shape)} {self.images.dtype} must be uint8 [{n}, {self.height}, "
+             f"{self.width}, 3]"),
+            (self.log_probs.shape == (n, num_steps), f"log_probs {tuple(self.log_probs.shape)} must be [{n}, {num_steps}]"),
+            (self.timesteps.shape == (num_steps,), f"timesteps {tuple(self.timesteps.shape)} must be [{num_steps}]"),
+            (self.sigmas.shape == (t1,), f"sigmas {tuple(self.sigmas.shape)} must be [{t1}]"),
+            (self.prompt_embeds.ndim == 2 and self.prompt_mask.shape == self.prompt_embeds.shape[:1],
+             "prompt_embeds must be [S, D] with prompt_mask [S]"),
+            ((self.negative_prompt_embeds is None) == (self.guidance_scale <= 1),
+             "negative_prompt_embeds must be present exactly when guidance_scale > 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"inconsistent Trajectory: {message}")
+
+    @property
+    def group_size(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def num_steps(self) -> int:
+        return self.latents.shape[1] - 1
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.guidance_scale > 1
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensor fields by name (for transport as safetensors)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
+
+@dataclass
+class LoraAdapter:
+    """A LoRA of the transformer, in memory: peft/diffusers tensor names (`<module>.lora_A.weight`, `.lora_B.`)."""
+
+    tensors: dict[str, torch.Tensor]
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    # 0 is the base model; each published adapter has a larger version
+    version: int
+
+    def __post_init__(self) -> None:
+        if self.version < 1:
+            raise ValueError(f"version={self.version}: adapter versions start at 1 (0 is the base model)")
+        if self.rank < 1 or not self.target_modules:
+            raise ValueError(f"rank={self.rank}, target_modules={self.target_modules}: need rank >= 1 and targets")
+        bad = [k for k in self.tensors if ".lora_A." not in k and ".lora_B." not in k]
+        if bad:
+            raise ValueError(f"LoRA tensor names must contain .lora_A. or .lora_B.; got {bad[:3]}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank

@@ -1,0 +1,159 @@
+"""The vllm-omni rollout engine: `AsyncOmni` with the FlowGRPO pipeline and worker extension.
+
+One request per prompt group (`num_outputs_per_prompt = n`, the batched path) by default; with
+`batched_groups=False` a group is n concurrent requests of one image each (for comparison). Both produce the same
+images for the same seed: every image's noise comes from its own generator (app/rollout/seeding.py).
+Concurrent `generate` calls are fine: AsyncOmni queues them and batches up to `max_num_seqs` per forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from app.rollout.seeding import draw_seed
+from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
+from app.rollout.vllm_omni.lora import to_vllm_omni
+from app.rollout.vllm_omni.pipeline import EXTRA_ARGS_KEY, FlowGRPOQwenImagePipeline
+from app.rollout.vllm_omni.worker import FlowGRPOWorkerExtension
+
+PIPELINE_CLASS = f"{FlowGRPOQwenImagePipeline.__module__}.{FlowGRPOQwenImagePipeline.__qualname__}"
+WORKER_EXTENSION = f"{FlowGRPOWorkerExtension.__module__}.{FlowGRPOWorkerExtension.__qualname__}"
+
+
+def _images_uint8(images) -> torch.Tensor:
+    return torch.from_numpy(np.stack([np.asarray(im.convert("RGB"), dtype=np.uint8) for im in images]))
+
+
+class VllmOmniEngine:
+    kind = "vllm_omni"
+
+    def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", batched_groups: bool = True,
+                 max_num_seqs: int = 1, engine_kwargs: dict | None = None):
+        self.model_path = str(Path(model_path).resolve())
+        self.dtype = dtype
+        self.batched_groups = batched_groups
+        self.max_num_seqs = max_num_seqs
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self._omni = None
+        self._start_lock = asyncio.Lock()
+        self._lora_version = 0
+        self._lora_lock = asyncio.Lock()
+        self._ids = itertools.count()
+        self._served = 0
+        self._errors = 0
+
+    @property
+    def lora_version(self) -> int:
+        return self._lora_version
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._omni is not None:
+                return
+            from vllm_omni import AsyncOmni
+
+            self._omni = AsyncOmni(model=self.model_path, dtype=self.dtype, max_num_seqs=self.max_num_seqs,
+                                   custom_pipeline_args={"pipeline_class": PIPELINE_CLASS},
+                                   worker_extension_cls=WORKER_EXTENSION, **self.engine_kwargs)
+
+    def _sampling_params(self, request: GenerationRequest, seed: int, n: int, offset: int, version: int):
+        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+        from vllm_omni.lora.request import LoRARequest
+
+        lora = None
+        if version > 0:  # the id is the version: staged in memory by the worker extension, never read from disk
+            lora = LoRARequest(f"flowgrpo-v{version}", version, f"/in-memory/flowgrpo/v{version}")
+        return OmniDiffusionSamplingParams(
+            height=request.height, width=request.width, num_inference_steps=request.num_steps,
+            num_outputs_per_prompt=n, seed=seed, true_cfg_scale=request.guidance_scale, lora_request=lora,
+            lora_scale=1.0, extra_args={EXTRA_ARGS_KEY: {"seed": seed, "sample_offset": offset,
+                                                         "noise_level": request.noise_level,
+                                                         "sde_type": request.sde_type}})
+
+    async def _run(self, request: GenerationRequest, params):
+        prompt = {"prompt": request.prompt}
+        if request.do_cfg:
+            prompt["negative_prompt"] = request.negative_prompt
+        final = None
+        async for out in self._omni.generate(prompt, params, request_id=f"flowgrpo-{next(self._ids)}"):
+            final = out
+        if final is None or final.trajectory_latents is None:
+            raise RuntimeError(f"vllm-omni returned no trajectory for prompt {request.prompt!r}")
+        return final
+
+    async def generate(self, request: GenerationRequest) -> Trajectory:
+        if not isinstance(request, GenerationRequest):
+            raise TypeError(f"expected a GenerationRequest, got {type(request).__name__}")
+        await self.start()
+        seed = request.seed if request.seed is not None else draw_seed()
+        version = self._lora_version  # one adapter for the whole group, recorded with it
+        started = time.perf_counter()
+        try:
+            if self.batched_groups:
+                params = self._sampling_params(request, seed, request.n, request.sample_offset, version)
+                outputs = [await self._run(request, params)]
+            else:
+                outputs = await asyncio.gather(*[
+                    self._run(request, self._sampling_params(request, seed, 1, request.sample_offset + j, version))
+                    for j in range(request.n)])
+        except Exception:
+            self._errors += 1
+            raise
+        self._served += 1
+        side = outputs[0].trajectory_timesteps
+        neg = request.do_cfg
+        return Trajectory(
+            prompt=request.prompt, prompt_id=request.prompt_id,
+            images=torch.cat([_images_uint8(o.images) for o in outputs]),
+            latents=torch.cat([o.trajectory_latents for o in outputs]),
+            log_probs=torch.cat([o.trajectory_log_probs for o in outputs]),
+            timesteps=side["timesteps"], sigmas=side["sigmas"],
+            prompt_embeds=side["prompt_embeds"], prompt_mask=side["prompt_mask"],
+            negative_prompt_embeds=side["negative_prompt_embeds"] if neg else None,
+            negative_prompt_mask=side["negative_prompt_mask"] if neg else None,
+            noise_level=request.noise_level, sde_type=request.sde_type, seed=seed, lora_version=version,
+            height=request.height, width=request.width, guidance_scale=request.guidance_scale,
+            sample_offset=request.sample_offset,
+            producer={"engine": self.kind, "pid": os.getpid(), "seconds": time.perf_counter() - started},
+        )
+
+    async def load_lora(self, adapter: LoraAdapter | None) -> int:
+        await self.start()
+        async with self._lora_lock:
+            if adapter is None:
+                self._lora_version = 0
+                return 0
+            if adapter.version <= self._lora_version:
+                raise ValueError(f"adapter version {adapter.version} is not newer than the served version "
+                                 f"{self._lora_version}")
+            tensors, peft_config = to_vllm_omni(adapter)
+            await self._omni.collective_rpc("stage_lora", args=(adapter.version, tensors, peft_config))
+            self._lora_version = adapter.version
+            return adapter.version
+
+    async def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
+        await self.start()
+        items = [(k if k.startswith("transformer.") else f"transformer.{k}", v) for k, v in named_tensors.items()]
+        results = await self._omni.collective_rpc("update_weights", args=(items,))
+        return int(results[0])
+
+    async def transformer_checksum(self) -> float:
+        await self.start()
+        return float((await self._omni.collective_rpc("transformer_checksum"))[0])
+
+    async def health(self) -> dict:
+        return {"kind": self.kind, "model": self.model_path, "started": self._omni is not None,
+                "lora_version": self._lora_version, "served": self._served, "errors": self._errors,
+                "batched_groups": self.batched_groups}
+
+    async def close(self) -> None:
+        if self._omni is not None:
+            self._omni.shutdown()
+            self._omni = None

@@ -1,0 +1,31 @@
+"""peft/diffusers LoRA names → vllm-omni's Qwen-Image DiT names.
+
+The only module that differs is the attention output projection: diffusers `attn.to_out.0`, vllm-omni
+`attn.to_out` (its loader applies the same rename to full weights). Fused projections (to_q/k/v → to_qkv,
+add_q/k/v_proj → add_kv_proj) keep their per-projection LoRA names: vllm's LoRA model packs them itself.
+"""
+
+from __future__ import annotations
+
+from app.rollout.types import LoraAdapter
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def _module_name(name: str) -> str:
+    return name.replace(".to_out.0.", ".to_out.")
+
+
+def _target_name(target: str) -> str:
+    return target.removesuffix(".0") if target == "to_out.0" or target.endswith(".to_out.0") else target
+
+
+def to_vllm_omni(adapter: LoraAdapter) -> tuple[dict, dict]:
+    """(tensors, peft_config) in the form vllm's `LoRAModel.from_lora_tensors` / `PEFTHelper.from_dict` take."""
+    tensors = {}
+    for key, value in adapter.tensors.items():
+        key = key.removeprefix(_PEFT_PREFIX).removeprefix("transformer.")
+        tensors[_PEFT_PREFIX + _module_name(key)] = value.detach().contiguous()
+    config = {"r": adapter.rank, "lora_alpha": adapter.alpha,
+              "target_modules": sorted({_target_name(t) for t in adapter.target_modules})}
+    return tensors, config
