@@ -1,6 +1,7 @@
 """Test harness: environment for offline, single-threaded CPU runs, the shared tiny checkpoint, and a guard that
 fails the run when no test ran or when a test was skipped (a skip is never counted as a pass)."""
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -52,3 +53,31 @@ def tiny_model_dir() -> Path:
     from app.models.tiny import build_tiny_qwen_image
 
     return build_tiny_qwen_image(TINY_CACHE / "tiny-qwen-image", seed=0)
+
+
+@pytest.fixture(scope="session")
+def aio():
+    """Runs a coroutine on one event loop kept for the whole session (the engine's background tasks live there)."""
+    with asyncio.Runner() as runner:
+        yield runner.run
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model_dir, aio):
+    """The real vllm-omni engine (CPU platform here), started once per test session."""
+    from app.rollout.vllm_omni.engine import VllmOmniEngine
+
+    engine = VllmOmniEngine(tiny_model_dir)
+    aio(engine.start())
+    yield engine
+    aio(engine.close())
+
+
+@pytest.fixture(scope="session")
+def diffusers_engine(tiny_model_dir, aio):
+    from app.rollout.diffusers_engine import DiffusersEngine
+
+    engine = DiffusersEngine(tiny_model_dir)
+    aio(engine.start())
+    yield engine
+    aio(engine.close())

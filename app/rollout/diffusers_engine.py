@@ -19,10 +19,9 @@ import torch
 
 from app.algo.sde import sde_step
 from app.models import qwen_image
+from app.models.lora import ADAPTER_NAME, attach_lora
 from app.rollout.seeding import draw_seed, sample_generators
 from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
-
-ADAPTER_NAME = "flowgrpo"
 
 
 class DiffusersEngine:
@@ -123,8 +122,6 @@ class DiffusersEngine:
         return traj
 
     def _load_lora(self, adapter: LoraAdapter | None) -> int:
-        from peft import LoraConfig, set_peft_model_state_dict
-
         with self._lock:
             transformer = self.pipe.transformer
             if adapter is None:
@@ -133,17 +130,10 @@ class DiffusersEngine:
                 self._lora_version = 0
                 return 0
             shape = (adapter.rank, adapter.alpha, tuple(sorted(adapter.target_modules)))
-            if self._lora_shape != shape:
-                if self._lora_shape is not None:
-                    transformer.delete_adapters(ADAPTER_NAME)
-                transformer.add_adapter(LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha,
-                                                   target_modules=list(adapter.target_modules)), ADAPTER_NAME)
-                self._lora_shape = shape
-            tensors = {k.removeprefix("base_model.model.").removeprefix("transformer."): v
-                       for k, v in adapter.tensors.items()}
-            result = set_peft_model_state_dict(transformer, tensors, adapter_name=ADAPTER_NAME)
-            if result.unexpected_keys:
-                raise ValueError(f"LoRA tensors do not match the transformer: {result.unexpected_keys[:3]}")
+            if self._lora_shape not in (None, shape):
+                transformer.delete_adapters(ADAPTER_NAME)  # a different rank/targets: start a fresh adapter
+            attach_lora(transformer, adapter, ADAPTER_NAME)
+            self._lora_shape = shape
             transformer.enable_adapters()
             transformer.set_adapter(ADAPTER_NAME)
             self._lora_version = adapter.version

@@ -27,6 +27,13 @@ PIPELINE_CLASS = f"{FlowGRPOQwenImagePipeline.__module__}.{FlowGRPOQwenImagePipe
 WORKER_EXTENSION = f"{FlowGRPOWorkerExtension.__module__}.{FlowGRPOWorkerExtension.__qualname__}"
 
 
+def _first_result(results):
+    """collective_rpc answers per stage and per worker ([[value]]); one stage, one worker here."""
+    while isinstance(results, (list, tuple)):
+        results = results[0]
+    return results
+
+
 def _images_uint8(images) -> torch.Tensor:
     return torch.from_numpy(np.stack([np.asarray(im.convert("RGB"), dtype=np.uint8) for im in images]))
 
@@ -124,6 +131,26 @@ class VllmOmniEngine:
             producer={"engine": self.kind, "pid": os.getpid(), "seconds": time.perf_counter() - started},
         )
 
+    async def generate_plain(self, request: GenerationRequest) -> torch.Tensor:
+        """Stock vllm-omni sampling (its scheduler's ODE step, no trajectory): uint8 [n, H, W, 3].
+
+        The baseline for measuring what trajectory recording costs; the seed seeds vllm-omni's own generator.
+        """
+        await self.start()
+        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+        params = OmniDiffusionSamplingParams(
+            height=request.height, width=request.width, num_inference_steps=request.num_steps,
+            num_outputs_per_prompt=request.n, seed=request.seed if request.seed is not None else draw_seed(),
+            true_cfg_scale=request.guidance_scale)
+        prompt = {"prompt": request.prompt}
+        if request.do_cfg:
+            prompt["negative_prompt"] = request.negative_prompt
+        final = None
+        async for out in self._omni.generate(prompt, params, request_id=f"plain-{next(self._ids)}"):
+            final = out
+        return _images_uint8(final.images)
+
     async def load_lora(self, adapter: LoraAdapter | None) -> int:
         await self.start()
         async with self._lora_lock:
@@ -134,19 +161,21 @@ class VllmOmniEngine:
                 raise ValueError(f"adapter version {adapter.version} is not newer than the served version "
                                  f"{self._lora_version}")
             tensors, peft_config = to_vllm_omni(adapter)
-            await self._omni.collective_rpc("stage_lora", args=(adapter.version, tensors, peft_config))
+            staged = _first_result(await self._omni.collective_rpc("stage_lora",
+                                                                  args=(adapter.version, tensors, peft_config)))
+            if staged != len(tensors):
+                raise RuntimeError(f"the worker did not stage LoRA version {adapter.version}: {staged!r}")
             self._lora_version = adapter.version
             return adapter.version
 
     async def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
         await self.start()
         items = [(k if k.startswith("transformer.") else f"transformer.{k}", v) for k, v in named_tensors.items()]
-        results = await self._omni.collective_rpc("update_weights", args=(items,))
-        return int(results[0])
+        return int(_first_result(await self._omni.collective_rpc("update_weights", args=(items,))))
 
     async def transformer_checksum(self) -> float:
         await self.start()
-        return float((await self._omni.collective_rpc("transformer_checksum"))[0])
+        return float(_first_result(await self._omni.collective_rpc("transformer_checksum")))
 
     async def health(self) -> dict:
         return {"kind": self.kind, "model": self.model_path, "started": self._omni is not None,

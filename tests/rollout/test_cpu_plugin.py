@@ -1,0 +1,41 @@
+"""The CPU platform is chosen on machines without CUDA, and an environment variable forces it either way."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from app.rollout.vllm_omni import cpu_plugin
+
+
+@pytest.mark.parametrize("value,active", [("1", True), ("on", True), ("0", False), ("off", False)])
+def test_environment_variable_forces_the_choice(monkeypatch, value, active):
+    monkeypatch.setenv(cpu_plugin.ENV_VAR, value)
+    assert cpu_plugin.cpu_platform_active() is active
+    assert (cpu_plugin.omni_platform() is not None) is active
+    assert (cpu_plugin.vllm_platform() is not None) is active
+
+
+def test_auto_follows_cuda(monkeypatch):
+    monkeypatch.delenv(cpu_plugin.ENV_VAR, raising=False)
+    assert cpu_plugin.cpu_platform_active() is (not torch.cuda.is_available())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu_plugin.omni_platform() is None  # GPU machines keep vllm-omni's own platform
+
+
+def test_bad_value_says_what_to_use(monkeypatch):
+    monkeypatch.setenv(cpu_plugin.ENV_VAR, "maybe")
+    with pytest.raises(ValueError, match="use 1"):
+        cpu_plugin.cpu_platform_active()
+
+
+def test_installed_entry_points_resolve_in_a_fresh_process():
+    code = ("from vllm_omni.platforms import current_omni_platform as p; from vllm.platforms import current_platform"
+            " as v; print(type(p).__name__, type(v).__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if torch.cuda.is_available():
+        assert "CpuOmniPlatform" not in done.stdout
+    else:
+        assert done.stdout.split()[-2:] == ["CpuOmniPlatform", "CpuPlatform"]

@@ -1,0 +1,59 @@
+"""GenerationRequest validates at construction (before any engine is touched); Trajectory checks its shapes."""
+
+import pytest
+import torch
+
+from app.rollout.seeding import sample_generators, sample_seed
+from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 0), ("n", -2), ("n", 10_000), ("n", 2.5),
+    ("height", 100), ("width", 8), ("height", "64"),
+    ("num_steps", 1), ("num_steps", 0),
+    ("prompt", ""), ("prompt", "   "), ("prompt", None),
+    ("noise_level", -0.1), ("noise_level", float("nan")),
+    ("sde_type", "ddim"),
+    ("guidance_scale", 0.5), ("seed", -1), ("sample_offset", -1),
+])
+def test_invalid_request_names_the_field(field, value):
+    kwargs = dict(prompt="a red cube", n=2, height=64, width=64, num_steps=4) | {field: value}
+    with pytest.raises(ValueError, match=f"^{field}="):
+        GenerationRequest(**kwargs)
+
+
+def test_cfg_needs_a_negative_prompt():
+    with pytest.raises(ValueError, match="negative_prompt"):
+        GenerationRequest("a cat", guidance_scale=4.0)
+    assert GenerationRequest("a cat", guidance_scale=4.0, negative_prompt=" ").do_cfg
+
+
+def test_sample_seeds_are_deterministic_and_distinct():
+    assert sample_seed(7, 0) == sample_seed(7, 0)
+    assert len({sample_seed(7, j) for j in range(100)} | {sample_seed(8, j) for j in range(100)}) == 200
+    a, b = sample_generators(7, 0, 2), sample_generators(7, 1, 1)
+    assert torch.equal(torch.randn(3, generator=a[1]), torch.randn(3, generator=b[0]))
+
+
+def _traj(**changes):
+    n, t, l, c = 2, 3, 4, 8
+    fields = dict(prompt="p", prompt_id=None, images=torch.zeros(n, 16, 16, 3, dtype=torch.uint8),
+                  latents=torch.zeros(n, t + 1, l, c), log_probs=torch.zeros(n, t), timesteps=torch.zeros(t),
+                  sigmas=torch.zeros(t + 1), prompt_embeds=torch.zeros(5, 6), prompt_mask=torch.ones(5),
+                  noise_level=0.7, sde_type="sde", seed=0, lora_version=0, height=16, width=16)
+    return Trajectory(**(fields | changes))
+
+
+def test_trajectory_checks_its_shapes():
+    assert _traj().group_size == 2 and _traj().num_steps == 3
+    with pytest.raises(ValueError, match="log_probs"):
+        _traj(log_probs=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="negative_prompt_embeds"):
+        _traj(guidance_scale=4.0)
+
+
+def test_lora_adapter_validation():
+    with pytest.raises(ValueError, match="version"):
+        LoraAdapter({}, rank=4, alpha=4, target_modules=["to_q"], version=0)
+    with pytest.raises(ValueError, match="lora_A"):
+        LoraAdapter({"x.weight": torch.zeros(1)}, rank=4, alpha=4, target_modules=["to_q"], version=1)

@@ -1,0 +1,21 @@
+"""Entry-point jobs run end to end on the tiny config (in a fresh process, as a user would run them)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_rollout_prints_one_json_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.bench_rollout", "--config", "configs/tiny_cpu.yaml", "--groups", "2",
+         "--repeats", "1", f"model.path={tmp_path / 'tiny'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert result["batched_images_per_s"] > 0 and result["per_sample_images_per_s"] > 0
+    assert result["batched_over_per_sample"] > 0 and "trajectory_overhead_pct" in result
