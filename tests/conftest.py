@@ -81,3 +81,21 @@ def diffusers_engine(tiny_model_dir, aio):
     aio(engine.start())
     yield engine
     aio(engine.close())
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """One local Ray cluster for the session (logical CPUs above the 2 real ones: replicas ask for fractions)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # tests call the local cluster's CLI-free APIs only
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
+    yield
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+

@@ -1,0 +1,38 @@
+"""The Reward protocol and its result record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class Reward(Protocol):
+    name: str
+
+    def score(self, images: np.ndarray, prompts: Sequence[str]) -> list[float]:
+        """images: uint8 [n, H, W, 3]; prompts: n strings. One score per image, higher is better."""
+
+
+@dataclass
+class RewardScores:
+    """Scores of a batch of images: the weighted total and every component (for logging and debugging)."""
+
+    total: list[float]
+    components: dict[str, list[float]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "components": self.components}
+
+
+def as_uint8_images(images) -> np.ndarray:
+    """uint8 [n, H, W, 3] from a torch tensor, numpy array or list of arrays / PIL images."""
+    if hasattr(images, "numpy") and not isinstance(images, np.ndarray):
+        images = images.cpu().numpy()
+    if isinstance(images, (list, tuple)):
+        images = np.stack([np.asarray(im.convert("RGB") if hasattr(im, "convert") else im) for im in images])
+    images = np.asarray(images)
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+        raise ValueError(f"images must be uint8 [n, H, W, 3]; got {images.dtype} {list(images.shape)}")
+    return images

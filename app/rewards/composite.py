@@ -1,0 +1,45 @@
+"""A weighted sum of named rewards, keeping every component."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from app.rewards.base import Reward, RewardScores, as_uint8_images
+
+
+def _registry() -> dict:
+    from app.rewards.jpeg import JpegCompressibilityReward
+    from app.rewards.ocr import OcrReward
+
+    return {"ocr": OcrReward, "jpeg_compressibility": JpegCompressibilityReward}
+
+
+REWARD_NAMES = ("ocr", "jpeg_compressibility")
+
+
+class WeightedReward:
+    def __init__(self, rewards: dict[str, tuple[Reward, float]]):
+        self.rewards = rewards
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {name: w for name, (_, w) in self.rewards.items()}
+
+    def score(self, images, prompts: Sequence[str]) -> RewardScores:
+        images = as_uint8_images(images)
+        if len(prompts) != len(images):
+            raise ValueError(f"{len(images)} images but {len(prompts)} prompts: give one prompt per image")
+        components = {name: [float(s) for s in reward.score(images, prompts)]
+                      for name, (reward, _) in self.rewards.items()}
+        total = [sum(w * components[name][i] for name, (_, w) in self.rewards.items()) for i in range(len(images))]
+        return RewardScores(total=total, components=components)
+
+
+def build_reward(weights: dict[str, float]) -> WeightedReward:
+    """The composite for `reward.weights` of the config, e.g. {"ocr": 1.0, "jpeg_compressibility": 0.1}."""
+    registry = _registry()
+    unknown = sorted(set(weights) - set(registry))
+    if unknown or not weights:
+        raise ValueError(f"unknown reward names {unknown} (known: {sorted(registry)})" if unknown
+                         else "no reward named: give at least one, e.g. {'ocr': 1.0}")
+    return WeightedReward({name: (registry[name](), float(w)) for name, w in weights.items()})

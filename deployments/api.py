@@ -1,0 +1,215 @@
+"""HTTP ingress (FastAPI), OpenAI images shape plus FlowGRPO extensions.
+
+    POST /v1/images/generations   {prompt, n, size "WxH", response_format "b64_json", num_inference_steps, seed,
+                                   noise_level, sde_type, guidance, negative_prompt, return_trajectory}
+    POST /v1/rewards              {images: [base64 PNG/JPEG], prompts: [...]} → {scores, components}
+    GET  /v1/health               rollout and reward replicas answer
+    GET  /v1/lora                 adapter version of every rollout replica
+
+Every request is validated here, before a replica sees it: a bad one gets a 4xx JSON error that says what to
+change (`{"error": {"message", "type", "param"}}`), and the replicas keep serving. The class is wrapped with
+`serve.ingress` in builders.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import time
+from typing import Literal
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.rollout.types import MAX_SEED, GenerationRequest, Trajectory
+
+
+class ApiLimits(BaseModel):
+    """What one request may ask for (protects replicas from requests they cannot serve in time)."""
+
+    max_n: int = 16
+    max_side: int = 1024
+    max_steps: int = 50
+    max_reward_images: int = 64
+    max_image_bytes: int = 8 * 2**20
+
+
+class GenerationDefaults(BaseModel):
+    """Values used when a request leaves them out (from the run config's rollout section)."""
+
+    size: str = "512x512"
+    num_inference_steps: int = 10
+    noise_level: float = 0.7
+    sde_type: Literal["sde", "cps"] = "sde"
+    guidance: float = 1.0
+    negative_prompt: str = " "
+
+
+class ImageGenerationBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, description="text to render; for the OCR reward put the text in double quotes")
+    n: int = Field(1, ge=1, description="images in the prompt group")
+    size: str | None = Field(None, pattern=r"^\d{1,5}x\d{1,5}$", description='"WIDTHxHEIGHT", multiples of 16')
+    response_format: Literal["b64_json"] = "b64_json"
+    model: str | None = Field(None, description="accepted for OpenAI compatibility; the deployment serves one model")
+    num_inference_steps: int | None = Field(None, ge=2)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    noise_level: float | None = Field(None, ge=0, le=10)
+    sde_type: Literal["sde", "cps"] | None = None
+    guidance: float | None = Field(None, ge=1, le=30)
+    negative_prompt: str | None = None
+    return_trajectory: bool = False
+
+
+class RewardBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    images: list[str] = Field(min_length=1, description="base64-encoded PNG or JPEG images")
+    prompts: list[str] = Field(min_length=1, description="one prompt per image")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
+
+
+app = FastAPI(title="ray-flowgrpo", version="0.1.0",
+              description="FlowGRPO rollouts (vllm-omni) and rewards on Ray Serve")
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message, where = "the request body is not valid JSON", None
+    elif where is None and first.get("type") == "missing":
+        message = "a JSON request body is required"
+    elif where:
+        message = f"{where}: {message}"
+    return _error(422, message, where)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return _error(exc.status, exc.message, exc.param)
+
+
+def _png_b64(image: np.ndarray) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def trajectory_b64(traj: Trajectory) -> str:
+    """The trajectory's tensors as base64 safetensors; scalar fields go into the metadata."""
+    from safetensors.torch import save
+
+    tensors = {k: v.contiguous() for k, v in traj.tensors().items() if k != "images"}
+    metadata = {k: str(getattr(traj, k)) for k in ("prompt", "noise_level", "sde_type", "seed", "lora_version",
+                                                     "height", "width", "guidance_scale", "sample_offset")}
+    return base64.b64encode(save(tensors, metadata=metadata)).decode()
+
+
+def _decode_image(data: str, index: int, max_bytes: int) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    param = f"images.{index}"
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{param} is not valid base64", param) from None
+    if len(raw) > max_bytes:
+        raise ApiError(413, f"{param} is {len(raw)} bytes; the limit is {max_bytes}", param)
+    try:
+        with Image.open(io.BytesIO(raw)) as im:
+            if im.width * im.height > 4096 * 4096:
+                raise ApiError(413, f"{param} is {im.width}x{im.height}; at most 4096x4096 pixels", param)
+            return np.asarray(im.convert("RGB"))
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError):
+        raise ApiError(400, f"{param} is not a PNG or JPEG image", param) from None
+
+
+class ApiIngress:
+    def __init__(self, rollout, reward, limits: ApiLimits | None = None,
+                 defaults: GenerationDefaults | None = None):
+        self.rollout, self.reward = rollout, reward  # DeploymentHandles
+        self.limits = limits or ApiLimits()
+        self.defaults = defaults or GenerationDefaults()
+
+    def _generation_request(self, body: ImageGenerationBody) -> GenerationRequest:
+        lim, d = self.limits, self.defaults
+        if body.n > lim.max_n:
+            raise ApiError(400, f"n={body.n} is more than this deployment's limit of {lim.max_n}", "n")
+        width, height = (int(v) for v in (body.size or d.size).split("x"))
+        for name, value in (("width", width), ("height", height)):
+            if value < 16 or value % 16:
+                raise ApiError(400, f"size={body.size!r}: {name} {value} must be a positive multiple of 16", "size")
+            if value > lim.max_side:
+                raise ApiError(400, f"size={body.size!r}: {name} {value} is over the limit of {lim.max_side}", "size")
+        steps = body.num_inference_steps or d.num_inference_steps
+        if steps > lim.max_steps:
+            raise ApiError(400, f"num_inference_steps={steps} is over the limit of {lim.max_steps}",
+                           "num_inference_steps")
+        guidance = body.guidance if body.guidance is not None else d.guidance
+        try:
+            return GenerationRequest(
+                prompt=body.prompt, n=body.n, height=height, width=width, num_steps=steps, guidance_scale=guidance,
+                negative_prompt=(body.negative_prompt if body.negative_prompt is not None else d.negative_prompt)
+                if guidance > 1 else None,
+                noise_level=body.noise_level if body.noise_level is not None else d.noise_level,
+                sde_type=body.sde_type or d.sde_type, seed=body.seed)
+        except ValueError as err:
+            raise ApiError(400, str(err), str(err).split("=")[0]) from None
+
+    @app.post("/v1/images/generations")
+    async def generate_images(self, body: ImageGenerationBody) -> dict:
+        request = self._generation_request(body)
+        traj: Trajectory = await self.rollout.generate.remote(request)
+        response = {
+            "created": int(time.time()),
+            "data": [{"b64_json": _png_b64(im)} for im in traj.images.numpy()],
+            "seed": traj.seed, "lora_version": traj.lora_version, "replica": traj.producer.get("replica"),
+        }
+        if body.return_trajectory:
+            response["trajectory"] = {"format": "safetensors", "b64": trajectory_b64(traj)}
+        return response
+
+    @app.post("/v1/rewards")
+    async def score_images(self, body: RewardBody) -> dict:
+        lim = self.limits
+        if len(body.images) != len(body.prompts):
+            raise ApiError(400, f"{len(body.images)} images but {len(body.prompts)} prompts: one prompt per image",
+                           "prompts")
+        if len(body.images) > lim.max_reward_images:
+            raise ApiError(400, f"{len(body.images)} images; the limit is {lim.max_reward_images}", "images")
+        decoded = [_decode_image(data, i, lim.max_image_bytes) for i, data in enumerate(body.images)]
+        shapes = {im.shape for im in decoded}
+        if len(shapes) != 1:
+            raise ApiError(400, f"images differ in size {sorted(shapes)}; send one size per request", "images")
+        scores = await self.reward.score.remote(np.stack(decoded), body.prompts)
+        return {"scores": scores.total, "components": scores.components}
+
+    @app.get("/v1/health")
+    async def health(self) -> dict:
+        rollout = await self.rollout.health.remote()
+        reward = await self.reward.info.remote()
+        return {"status": "ok", "rollout": rollout, "reward": reward}
+
+    @app.get("/v1/lora")
+    async def lora(self) -> dict:
+        versions = await self.rollout.broadcast("lora_version").results_async()
+        return {"replicas": versions, "versions": sorted({v["lora_version"] for v in versions})}

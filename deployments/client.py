@@ -1,0 +1,67 @@
+"""What the trainer uses to talk to the Serve application: groups in, scored groups out (rewards computed while
+other groups are still generating), and LoRA publication to every rollout replica."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import ray
+
+from app.rewards import RewardScores
+from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
+from deployments.builders import APP_NAME
+
+
+@dataclass
+class ScoredGroup:
+    index: int  # position of its request
+    trajectory: Trajectory
+    rewards: RewardScores
+    generated_at: float  # perf_counter when the group arrived
+    scored_at: float
+
+
+def handles(app_name: str = APP_NAME):
+    from ray import serve
+
+    return (serve.get_deployment_handle("Rollout", app_name), serve.get_deployment_handle("Reward", app_name))
+
+
+class RolloutClient:
+    def __init__(self, rollout, reward):
+        self.rollout, self.reward = rollout, reward  # DeploymentHandles
+
+    async def _score(self, index: int, traj: Trajectory) -> ScoredGroup:
+        arrived = time.perf_counter()
+        scores = await self.reward.score.remote(traj.images, [traj.prompt] * traj.group_size)
+        return ScoredGroup(index, traj, scores, arrived, time.perf_counter())
+
+    async def stream(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[ScoredGroup]:
+        """Scored groups in the order they finish; each is sent to the reward as soon as it is generated."""
+        async def one(i: int, request: GenerationRequest) -> ScoredGroup:
+            return await self._score(i, await self.rollout.generate.remote(request))
+
+        for next_done in asyncio.as_completed([one(i, r) for i, r in enumerate(requests)]):
+            yield await next_done
+
+    async def collect(self, requests: Sequence[GenerationRequest], *, streamed: bool = True) -> list[ScoredGroup]:
+        """All groups, in request order. streamed=False scores only after every rollout finished (the baseline)."""
+        if streamed:
+            groups = [g async for g in self.stream(requests)]
+        else:
+            trajs = await asyncio.gather(*[self.rollout.generate.remote(r) for r in requests])
+            groups = await asyncio.gather(*[self._score(i, t) for i, t in enumerate(trajs)])
+        return sorted(groups, key=lambda g: g.index)
+
+
+async def publish_lora(rollout, adapter: LoraAdapter) -> list[int]:
+    """Put the adapter in the object store once and load it on every live rollout replica; returns when all
+    replicas acknowledged `adapter.version` (raises if one did not)."""
+    ref = ray.put(adapter)  # this process owns the object: it stays alive until the broadcast returns
+    versions = await rollout.broadcast("load_lora", [ref]).results_async()
+    if not versions or any(v != adapter.version for v in versions):
+        raise RuntimeError(f"replicas answered {versions} to publishing version {adapter.version}")
+    return versions

@@ -1,0 +1,40 @@
+"""The reward replica: the weighted composite of app/rewards, scoring groups as they arrive. Concurrent requests
+are gathered into one call with `@serve.batch` (applied in builders.py through `batched`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.rewards import RewardScores, build_reward
+
+
+class RewardScorer:
+    def __init__(self, weights: dict[str, float], *, torch_threads: int | None = 1):
+        if torch_threads:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        self.reward = build_reward(weights)
+        self.scored = 0
+
+    def _score_many(self, batches: list[tuple]) -> list[RewardScores]:
+        out = []
+        for images, prompts in batches:
+            try:
+                out.append(self.reward.score(images, prompts))
+            except ValueError as err:  # one bad group must not fail the others batched with it
+                out.append(err)
+        self.scored += len(batches)
+        return out
+
+    async def score_batch(self, batches: list[tuple]) -> list[RewardScores | ValueError]:
+        return await asyncio.to_thread(self._score_many, batches)
+
+    async def score(self, images, prompts: list[str]) -> RewardScores:
+        result = (await self.score_batch([(images, prompts)]))[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def info(self) -> dict:
+        return {"weights": self.reward.weights, "scored": self.scored}

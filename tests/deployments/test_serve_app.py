@@ -1,0 +1,176 @@
+"""The Serve application on a local Ray cluster: two real vllm-omni rollout replicas, the OCR reward, the HTTP API,
+load balancing, LoRA publication by broadcast, bad requests, and a bounded schemathesis run."""
+
+import asyncio
+import base64
+import io
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from app.rollout.types import GenerationRequest
+
+APP = "flowgrpo"
+SCHEMATHESIS = str(Path(sys.executable).with_name("schemathesis"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tiny_model_dir):
+    from ray import serve
+
+    from deployments.builders import FlowGRPOAppArgs, build_app
+    from deployments.client import handles
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = FlowGRPOAppArgs(
+        model_path=str(tiny_model_dir), rollout_replicas=2, rollout_num_cpus=0.5, reward_num_cpus=0.5,
+        reward_weights={"ocr": 1.0}, api_num_cpus=0.25, rollout_max_ongoing_requests=4,
+        defaults={"size": "64x64", "num_inference_steps": 2},
+        limits={"max_n": 4, "max_side": 128, "max_steps": 4, "max_reward_images": 4})
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    rollout, reward = handles(APP)
+    yield {"url": f"http://127.0.0.1:{port}", "rollout": rollout, "reward": reward}
+    serve.delete(APP)
+
+
+def png_b64(image: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def rendered(text: str) -> np.ndarray:
+    image = Image.new("RGB", (256, 96), "white")
+    ImageDraw.Draw(image).text((10, 20), text, fill="black", font=ImageFont.load_default(size=40))
+    return np.asarray(image)
+
+
+def test_http_generation_returns_decodable_images_and_trajectory(served):
+    from safetensors.torch import load
+
+    body = {"prompt": 'a sign that says "OPEN"', "n": 2, "seed": 3, "return_trajectory": True}
+    response = requests.post(f"{served['url']}/v1/images/generations", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    images = [Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))) for d in data["data"]]
+    assert [im.size for im in images] == [(64, 64), (64, 64)]
+    tensors = load(base64.b64decode(data["trajectory"]["b64"]))
+    assert tensors["latents"].shape == (2, 3, 16, 64) and tensors["log_probs"].shape == (2, 2)
+    assert data["seed"] == 3 and data["lora_version"] == 0 and data["replica"]
+
+
+def test_http_reward_scores_rendered_text(served):
+    body = {"images": [png_b64(rendered("OPEN 24H")), png_b64(rendered("CLOSED"))],
+            "prompts": ['a sign "OPEN 24H"'] * 2}
+    response = requests.post(f"{served['url']}/v1/rewards", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    scores = response.json()["scores"]
+    assert scores[0] >= 0.9 and scores[1] < scores[0]
+
+
+def test_groups_are_spread_over_both_replicas(served):
+    rollout = served["rollout"]
+
+    async def eight():
+        requests_ = [GenerationRequest(f"prompt {i}", n=2, height=64, width=64, num_steps=2, seed=i)
+                     for i in range(8)]
+        return await asyncio.gather(*[rollout.generate.remote(r) for r in requests_])
+
+    trajs = asyncio.run(eight())
+    assert len({t.producer["replica"] for t in trajs}) == 2
+    assert [t.seed for t in trajs] == list(range(8))
+
+
+def test_publication_reaches_every_replica_and_changes_generations(served, tiny_model_dir):
+    from diffusers import QwenImageTransformer2DModel
+
+    from app.models.lora import random_lora
+    from deployments.client import publish_lora
+
+    rollout = served["rollout"]
+    request = GenerationRequest("a red cube", n=2, height=64, width=64, num_steps=2, seed=11)
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
+    adapter = random_lora(transformer, version=1, rank=4, target_modules=["to_q", "to_v", "to_out.0"], seed=1,
+                          scale=0.5)
+
+    async def run():
+        before = await asyncio.gather(*[rollout.generate.remote(request) for _ in range(4)])
+        acks = await publish_lora(rollout, adapter)
+        after = await asyncio.gather(*[rollout.generate.remote(request) for _ in range(4)])
+        return before, acks, after
+
+    before, acks, after = asyncio.run(run())
+    assert acks == [1, 1]
+    lora = requests.get(f"{served['url']}/v1/lora", timeout=30).json()
+    assert lora["versions"] == [1] and len(lora["replicas"]) == 2
+    assert all(t.lora_version == 1 for t in after) and all(t.lora_version == 0 for t in before)
+    assert len({t.producer["replica"] for t in after}) == 2  # both replicas, both changed
+    for t in after:
+        assert not torch.equal(t.latents, before[0].latents)
+        assert torch.equal(t.latents, after[0].latents)  # every replica serves the same adapter
+
+
+BAD_GENERATIONS = [
+    ("{not json", 422, "not valid JSON"),
+    ({"prompt": 3}, 422, "prompt"),
+    ({"prompt": "a", "n": 0}, 422, "n:"),
+    ({"prompt": "a", "n": 100}, 400, "limit"),
+    ({"prompt": "a", "size": "abc"}, 422, "size"),
+    ({"prompt": "a", "size": "100x64"}, 400, "multiple of 16"),
+    ({"prompt": "a", "size": "4096x4096"}, 400, "limit"),
+    ({"n": 2}, 422, "prompt"),
+    ({"prompt": "a", "sde_type": "ddim"}, 422, "sde_type"),
+    ({"prompt": "a", "bogus": 1}, 422, "bogus"),
+]
+
+
+@pytest.mark.parametrize("body,status,fragment", BAD_GENERATIONS)
+def test_bad_generation_requests_get_a_4xx_that_says_why(served, body, status, fragment):
+    url = f"{served['url']}/v1/images/generations"
+    response = (requests.post(url, data=body, headers={"content-type": "application/json"}, timeout=60)
+                if isinstance(body, str) else requests.post(url, json=body, timeout=60))
+    assert response.status_code == status, response.text
+    assert fragment in response.json()["error"]["message"]
+
+
+def test_bad_reward_requests_and_the_service_still_answers(served):
+    url = f"{served['url']}/v1/rewards"
+    cases = [({"images": ["!!"], "prompts": ["a"]}, 400, "base64"),
+             ({"images": [base64.b64encode(b"not an image").decode()], "prompts": ["a"]}, 400, "PNG or JPEG"),
+             ({"images": [png_b64(rendered("A"))], "prompts": ["a", "b"]}, 400, "one prompt per image"),
+             ({"images": [], "prompts": []}, 422, "images")]
+    for body, status, fragment in cases:
+        response = requests.post(url, json=body, timeout=60)
+        assert response.status_code == status and fragment in response.json()["error"]["message"], response.text
+    with ThreadPoolExecutor(4) as pool:  # a burst of bad requests, then a good one
+        list(pool.map(lambda _: requests.post(f"{served['url']}/v1/images/generations", json={"n": -1}), range(16)))
+    assert requests.get(f"{served['url']}/v1/health", timeout=60).json()["status"] == "ok"
+    ok = requests.post(f"{served['url']}/v1/images/generations", json={"prompt": "still here"}, timeout=120)
+    assert ok.status_code == 200
+
+
+def test_schemathesis_finds_no_server_error(served):
+    """A bounded property-based run against the served OpenAPI schema: no 5xx, responses match the schema."""
+    done = subprocess.run(
+        [SCHEMATHESIS, "run", f"{served['url']}/openapi.json", "--checks",
+         "not_a_server_error", "--max-examples", "15", "--phases", "examples,coverage,fuzzing",
+         "--request-timeout", "120", "--no-color"],
+        capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "passed" in done.stdout.lower()
+    requests.get(f"{served['url']}/v1/health", timeout=60).raise_for_status()
