@@ -57,17 +57,11 @@ class _ServedRollout(RolloutReplica):
 class _ServedReward(RewardScorer):
     def __init__(self, weights: dict[str, float], max_batch_size: int, torch_threads: int):
         super().__init__(weights, torch_threads=torch_threads)
-        self._batched.set_max_batch_size(max_batch_size)
+        self._score_one.set_max_batch_size(max_batch_size)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
-    async def _batched(self, batches: list[tuple]) -> list:
+    async def _score_one(self, batches: list[tuple]) -> list:  # concurrent groups scored in one call
         return await self.score_batch(batches)
-
-    async def score(self, images, prompts: list[str]):
-        result = await self._batched((images, prompts))
-        if isinstance(result, Exception):
-            raise result
-        return result
 
 
 def build_app(args: FlowGRPOAppArgs) -> Application:

@@ -30,8 +30,12 @@ class RewardScorer:
     async def score_batch(self, batches: list[tuple]) -> list[RewardScores | ValueError]:
         return await asyncio.to_thread(self._score_many, batches)
 
+    async def _score_one(self, batch: tuple) -> RewardScores | ValueError:
+        """One group's scores; the Serve deployment replaces this with a `@serve.batch`ed version."""
+        return (await self.score_batch([batch]))[0]
+
     async def score(self, images, prompts: list[str]) -> RewardScores:
-        result = (await self.score_batch([(images, prompts)]))[0]
+        result = await self._score_one((images, prompts))
         if isinstance(result, Exception):
             raise result
         return result

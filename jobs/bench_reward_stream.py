@@ -9,13 +9,12 @@ then scores. Prints one JSON line with the wall time to score all groups in each
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import sys
 import time
 
 from app.config import load
+from jobs.report import emit_json_line
 from app.rollout.types import GenerationRequest
 
 PROMPTS = ['a sign that says "OPEN"', 'a poster that says "RAY"', 'text reading "HELLO"', 'a neon sign "GRPO"']
@@ -68,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.delete(APP_NAME)
     serve.shutdown()
     ray.shutdown()
-    sys.stdout.flush()
-    os.write(1, (json.dumps(result) + "\n").encode())
+    emit_json_line(result)
     return 0
 
 

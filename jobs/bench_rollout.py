@@ -11,8 +11,6 @@ same prompts and seeds after a warm-up; the figure is the median of --repeats ti
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import sys
 import time
@@ -21,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from app.config import load
+from jobs.report import emit_json_line
 from app.models.tiny import build_tiny_qwen_image
 from app.rollout.types import GenerationRequest
 from app.rollout.vllm_omni.engine import VllmOmniEngine
@@ -77,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = load(args.config, args.overrides)
     result = asyncio.run(bench(config, args.groups, args.repeats))
-    # straight to fd 1: vllm decorates sys.stdout.write with a "(DiffusionWorker pid=…)" prefix
-    sys.stdout.flush()
-    os.write(1, (json.dumps(result) + "\n").encode())
+    emit_json_line(result)
     return 0
 
 

@@ -62,25 +62,25 @@ def aio():
         yield runner.run
 
 
+def _started(engine, aio):
+    aio(engine.start())
+    yield engine
+    aio(engine.close())
+
+
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_model_dir, aio):
     """The real vllm-omni engine (CPU platform here), started once per test session."""
     from app.rollout.vllm_omni.engine import VllmOmniEngine
 
-    engine = VllmOmniEngine(tiny_model_dir)
-    aio(engine.start())
-    yield engine
-    aio(engine.close())
+    yield from _started(VllmOmniEngine(tiny_model_dir), aio)
 
 
 @pytest.fixture(scope="session")
 def diffusers_engine(tiny_model_dir, aio):
     from app.rollout.diffusers_engine import DiffusersEngine
 
-    engine = DiffusersEngine(tiny_model_dir)
-    aio(engine.start())
-    yield engine
-    aio(engine.close())
+    yield from _started(DiffusersEngine(tiny_model_dir), aio)
 
 
 @pytest.fixture(scope="session")

@@ -92,6 +92,7 @@ def sde_step(
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     flow_grpo_compat: bool = False,
+    sample_dtype: torch.dtype | None = None,
 ) -> SDEStepOutput:
     """One reverse step x_σ → x_σ_next; samples it, or scores `prev_sample` when given.
 
@@ -99,6 +100,8 @@ def sde_step(
     sigma, sigma_next: floats or [B] tensors (per-sample steps for the trainer).
     sigma_max: replaces σ in 1 − σ when σ == 1 ("sde" only); required if any σ == 1 and η > 0.
     generator: one generator, or one per sample; ignored when `prev_sample` is given.
+    sample_dtype: round a sampled x_next to this dtype (the latent dtype the next step sees, e.g. bf16) before
+    scoring it, so the log-prob is that of the stored sample and a trainer recompute agrees.
     Tensor math is fp32 whatever the input dtype (per-sample coefficients in float64); outputs are fp32.
     """
     if sde_type not in SDE_TYPES:
@@ -141,6 +144,8 @@ def sde_step(
 
     if prev_sample is None:
         prev_sample = mean + std32 * _standard_normal(x.shape, generator, device)  # [B, ...]
+        if sample_dtype is not None:
+            prev_sample = prev_sample.to(sample_dtype)
     elif prev_sample.shape != x.shape:
         raise ValueError(f"prev_sample {tuple(prev_sample.shape)} must have the sample's shape {tuple(x.shape)}")
     prev = prev_sample.float()

@@ -4,6 +4,7 @@ recompute of rollout log-probs from a stored `Trajectory`.
 Everything here follows what vllm-omni 0.30.0's Qwen-Image pipeline does, operation for operation (timestep
 input t/1000 in the latent dtype, CFG `neg + s·(pos − neg)` rescaled to the conditional norm, 2x2 latent packing),
 so that a step scored here equals the step the rollout took: the parity the on-policy ratio depends on.
+Packing and the resolution shift are diffusers' own (`QwenImagePipeline._pack_latents`, `calculate_shift`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from diffusers import QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from app.algo.sde import SDEStepOutput, sde_step
 from app.rollout.types import Trajectory
@@ -35,13 +38,6 @@ def img_shapes(batch: int, height: int, width: int, vae_scale_factor: int = VAE_
     return [[(1, *latent_grid(height, width, vae_scale_factor))]] * batch
 
 
-def _calculate_shift(seq_len: int, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float) -> float:
-    """The resolution-dependent time shift μ (linear in the image token count), as diffusers/vllm-omni."""
-    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    b = base_shift - m * base_seq_len
-    return seq_len * m + b
-
-
 def schedule(scheduler, num_steps: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(timesteps [T], sigmas [T+1]) of a `FlowMatchEulerDiscreteScheduler` for this many steps and tokens.
 
@@ -49,26 +45,16 @@ def schedule(scheduler, num_steps: int, seq_len: int) -> tuple[torch.Tensor, tor
     """
     sched = copy.deepcopy(scheduler)
     cfg = sched.config
-    mu = _calculate_shift(seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+    mu = calculate_shift(seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                           cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
     sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
     return sched.timesteps.float(), sched.sigmas.float()
 
 
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] → [B, (h/2)(w/2), 4C] (2x2 patches as tokens)."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
 def unpack_latents(tokens: torch.Tensor, height: int, width: int,
                    vae_scale_factor: int = VAE_SCALE_FACTOR) -> torch.Tensor:
     """[B, L, 4C] → [B, C, 1, h, w] (the VAE's 5-D layout with one frame)."""
-    b, _, channels = tokens.shape
-    h, w = 2 * (height // (vae_scale_factor * 2)), 2 * (width // (vae_scale_factor * 2))
-    x = tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, channels // 4, 1, h, w)
+    return QwenImagePipeline._unpack_latents(tokens, height, width, vae_scale_factor)
 
 
 def initial_latents(generators: Sequence[torch.Generator], num_channels: int, height: int, width: int,
@@ -77,10 +63,11 @@ def initial_latents(generators: Sequence[torch.Generator], num_channels: int, he
     """x at σ = 1, one sample per generator: [n, L, 4C]. Same draws as vllm-omni's `prepare_latents`."""
     from diffusers.utils.torch_utils import randn_tensor
 
+    n = len(generators)
     h, w = 2 * (height // (vae_scale_factor * 2)), 2 * (width // (vae_scale_factor * 2))
-    noise = randn_tensor((len(generators), 1, num_channels, h, w), generator=list(generators),
-                         device=torch.device(device), dtype=dtype)  # [n, 1, C, h, w]
-    return pack_latents(noise[:, 0])  # drop the frame axis, then pack
+    noise = randn_tensor((n, 1, num_channels, h, w), generator=list(generators), device=torch.device(device),
+                         dtype=dtype)  # [n, 1, C, h, w]
+    return QwenImagePipeline._pack_latents(noise, n, num_channels, h, w)  # [n, L, 4C]
 
 
 def velocity(

@@ -83,13 +83,11 @@ class DiffusersEngine:
                                     guidance_scale=request.guidance_scale, negative_prompt_embeds=neg_e,
                                     negative_prompt_mask=neg_m)
             step = sde_step(v, x, sigmas[i], sigmas[i + 1], noise_level=request.noise_level,
-                            sde_type=request.sde_type, sigma_max=sigmas[1], generator=generators)
+                            sde_type=request.sde_type, sigma_max=sigmas[1], generator=generators,
+                            sample_dtype=x.dtype)  # scored as rounded: the sample the next step sees
             x = step.prev_sample.to(x.dtype)
-            log_prob = step.log_prob if x.dtype == torch.float32 else sde_step(
-                v, latents[-1], sigmas[i], sigmas[i + 1], noise_level=request.noise_level, sde_type=request.sde_type,
-                sigma_max=sigmas[1], prev_sample=x).log_prob  # score the rounded sample the next step sees
             latents.append(x.float())
-            log_probs.append(log_prob)
+            log_probs.append(step.log_prob)
         images = qwen_image.decode_images(pipe.vae, x, request.height, request.width)
         return Trajectory(
             prompt=request.prompt, prompt_id=request.prompt_id, images=images,

@@ -172,3 +172,14 @@ def test_bad_arguments_name_the_problem(kwargs, match):
     args = dict(sigma=0.8, sigma_next=0.6, noise_level=0.7, sde_type="sde") | kwargs
     with pytest.raises(ValueError, match=match):
         sde_step(torch.zeros(1, 2), torch.zeros(1, 2), args.pop("sigma"), args.pop("sigma_next"), **args)
+
+
+def test_sample_dtype_scores_the_rounded_sample():
+    """A bf16 rollout stores x_next rounded to bf16; its log-prob must be that of the rounded value."""
+    g = torch.Generator().manual_seed(0)
+    x, v = torch.randn(2, 8, 16, generator=g), torch.randn(2, 8, 16, generator=g)
+    out = sde_step(v, x, 0.8, 0.6, noise_level=0.7, generator=torch.Generator().manual_seed(1),
+                   sample_dtype=torch.bfloat16)
+    assert torch.equal(out.prev_sample, out.prev_sample.bfloat16().float())  # fp32 holding bf16 values
+    rescored = sde_step(v, x, 0.8, 0.6, noise_level=0.7, prev_sample=out.prev_sample)
+    assert torch.equal(out.log_prob, rescored.log_prob)

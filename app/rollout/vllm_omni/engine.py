@@ -84,15 +84,16 @@ class VllmOmniEngine:
                                                          "noise_level": request.noise_level,
                                                          "sde_type": request.sde_type}})
 
-    async def _run(self, request: GenerationRequest, params):
+    async def _run(self, request: GenerationRequest, params, kind: str = "flowgrpo"):
+        """The final output of one vllm-omni request for `request`'s prompt (and negative prompt under CFG)."""
         prompt = {"prompt": request.prompt}
         if request.do_cfg:
             prompt["negative_prompt"] = request.negative_prompt
         final = None
-        async for out in self._omni.generate(prompt, params, request_id=f"flowgrpo-{next(self._ids)}"):
+        async for out in self._omni.generate(prompt, params, request_id=f"{kind}-{next(self._ids)}"):
             final = out
-        if final is None or final.trajectory_latents is None:
-            raise RuntimeError(f"vllm-omni returned no trajectory for prompt {request.prompt!r}")
+        if final is None or (kind == "flowgrpo" and final.trajectory_latents is None):
+            raise RuntimeError(f"vllm-omni returned no {'trajectory' if final else 'output'} for {request.prompt!r}")
         return final
 
     async def generate(self, request: GenerationRequest) -> Trajectory:
@@ -143,13 +144,7 @@ class VllmOmniEngine:
             height=request.height, width=request.width, num_inference_steps=request.num_steps,
             num_outputs_per_prompt=request.n, seed=request.seed if request.seed is not None else draw_seed(),
             true_cfg_scale=request.guidance_scale)
-        prompt = {"prompt": request.prompt}
-        if request.do_cfg:
-            prompt["negative_prompt"] = request.negative_prompt
-        final = None
-        async for out in self._omni.generate(prompt, params, request_id=f"plain-{next(self._ids)}"):
-            final = out
-        return _images_uint8(final.images)
+        return _images_uint8((await self._run(request, params, kind="plain")).images)
 
     async def load_lora(self, adapter: LoraAdapter | None) -> int:
         await self.start()

@@ -110,15 +110,12 @@ class FlowGRPOQwenImagePipeline(QwenImagePipeline):
             rec.sigmas = sigmas.float().cpu()
             rec.latents.append(latents.detach().float())
         step = sde_step(noise_pred, latents, sigmas[i], sigmas[i + 1], noise_level=rec.noise_level,
-                        sde_type=rec.sde_type, sigma_max=sigmas[1], generator=rec.generators)
-        prev = step.prev_sample.to(latents.dtype)  # what the next step will see
-        log_prob = step.log_prob
-        if prev.dtype != torch.float32:  # score the rounded sample, so the trainer's recompute agrees
-            log_prob = sde_step(noise_pred, latents, sigmas[i], sigmas[i + 1], noise_level=rec.noise_level,
-                                sde_type=rec.sde_type, sigma_max=sigmas[1], prev_sample=prev).log_prob
+                        sde_type=rec.sde_type, sigma_max=sigmas[1], generator=rec.generators,
+                        sample_dtype=latents.dtype)
+        prev = step.prev_sample.to(latents.dtype)  # exact: already rounded to this dtype, then scored
         sched._step_index += 1
         rec.latents.append(prev.detach().float())
-        rec.log_probs.append(log_prob.detach())
+        rec.log_probs.append(step.log_prob.detach())
         rec.timesteps.append(t.detach())
         return prev
 
