@@ -34,7 +34,6 @@ class DiffusersEngine:
         self.pipe = None
         self._lock = threading.Lock()  # one group at a time on the shared modules
         self._lora_version = 0
-        self._lora_shape: tuple | None = None
         self._served = 0
         self._errors = 0
 
@@ -122,16 +121,16 @@ class DiffusersEngine:
     def _load_lora(self, adapter: LoraAdapter | None) -> int:
         with self._lock:
             transformer = self.pipe.transformer
+            current = (getattr(transformer, "peft_config", None) or {}).get(ADAPTER_NAME)
             if adapter is None:
-                if self._lora_shape is not None:
+                if current is not None:
                     transformer.disable_adapters()
                 self._lora_version = 0
                 return 0
-            shape = (adapter.rank, adapter.alpha, tuple(sorted(adapter.target_modules)))
-            if self._lora_shape not in (None, shape):
+            if current is not None and (current.r, current.lora_alpha, sorted(current.target_modules)) != (
+                    adapter.rank, adapter.alpha, sorted(adapter.target_modules)):
                 transformer.delete_adapters(ADAPTER_NAME)  # a different rank/targets: start a fresh adapter
             attach_lora(transformer, adapter, ADAPTER_NAME)
-            self._lora_shape = shape
             transformer.enable_adapters()
             transformer.set_adapter(ADAPTER_NAME)
             self._lora_version = adapter.version
