@@ -1,10 +1,11 @@
-# `make setup` builds .venv with everything the project needs (idempotent); `make test` runs the suite.
+# `make setup` builds .venv with everything the project needs (idempotent); `make test` runs the suite;
+# `make train` runs the main job on the tiny CPU config.
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test tiny-models clean-venv
+.PHONY: setup test train tiny-models clean-venv
 
 setup: $(STAMP)
 
@@ -20,6 +21,10 @@ $(STAMP): pyproject.toml app/platform/cpu_torch_shim.py
 
 test: setup
 	$(PY) -m pytest
+
+# the main job on the tiny config (CPU, a few minutes); a new run folder each time; ARGS="key=value ..." overrides
+train: setup
+	$(PY) -m jobs.train --config configs/tiny_cpu.yaml logging.dir=runs/tiny_cpu/$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 tiny-models: setup
 	$(PY) -m jobs.make_tiny_models --out .cache/tiny-qwen-image

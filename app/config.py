@@ -94,16 +94,17 @@ class TrainConfig:
     adv_clip_max: float = 5.0
     # fraction of the T denoising steps trained per sample (FlowGRPO timestep_fraction)
     timestep_fraction: float = 1.0
-    # passes over each batch of rollouts
+    # optimizer steps per batch of rollouts (one per pass; passes after the first are off-policy and clipped)
     num_inner_epochs: int = 1
-    # samples per forward/backward on one worker
+    # samples of one prompt group per forward/backward on one worker (divides rollout.group_size)
     micro_batch_size: int = 4
     # old log-probs: "rollout" (as returned by the engine) or "recompute" (one extra forward)
     old_logprob: str = "rollout"
     # score "cps" and the KL as flow_grpo / verl-omni do (to reproduce their runs); see app/algo/sde.py
     flow_grpo_compat: bool = False
+    # seeds the LoRA init, prompt order, rollout noise and trained timesteps: a run is reproducible from it
     seed: int = 0
-    # save an adapter checkpoint every this many steps (0: only at the end)
+    # save a checkpoint (adapter, optimizer, step, RNG, data position) every this many steps (0: only at the end)
     checkpoint_every: int = 50
 
 
@@ -130,6 +131,8 @@ class ClusterConfig:
     num_workers: int = 1
     use_gpu: bool = False
     worker_num_cpus: float = 1.0
+    # Serve's HTTP port on this cluster (the rollout/reward API stays reachable while training)
+    serve_port: int = 8000
 
 
 @dataclass
@@ -177,10 +180,13 @@ def _check_run(c: RunConfig) -> None:
     _require(t.groups_per_step % cl.num_workers == 0,
              f"train.groups_per_step={t.groups_per_step} must be divisible by cluster.num_workers={cl.num_workers} "
              "(each worker requests the same number of groups)")
-    samples_per_worker = t.groups_per_step // cl.num_workers * r.group_size
-    _require(samples_per_worker % t.micro_batch_size == 0,
-             f"train.micro_batch_size={t.micro_batch_size} must divide the samples per worker per step "
-             f"({samples_per_worker} = groups_per_step / num_workers * group_size)")
+    _require(t.micro_batch_size >= 1 and r.group_size % t.micro_batch_size == 0,
+             f"train.micro_batch_size={t.micro_batch_size} must divide rollout.group_size={r.group_size} "
+             "(a micro-batch holds images of one prompt group, which share the prompt embeddings)")
+    _require(t.num_inner_epochs >= 1, f"train.num_inner_epochs={t.num_inner_epochs} must be >= 1")
+    _require(t.num_steps >= 0, f"train.num_steps={t.num_steps} must be >= 0")
+    _require(t.checkpoint_every >= 0, f"train.checkpoint_every={t.checkpoint_every} must be >= 0")
+    _require(t.learning_rate >= 0, f"train.learning_rate={t.learning_rate} must be >= 0")
     _require(r.noise_level > 0 or t.num_steps == 0,
              "rollout.noise_level=0 samples the deterministic ODE: there is nothing to train; set it > 0")
 

@@ -39,6 +39,8 @@ class FlowGRPOAppArgs(BaseModel):
     max_num_seqs: int = Field(1, ge=1)
     batched_groups: bool = True
     torch_threads: int = Field(1, ge=1)
+    # replicas' log level (Serve and vllm); "WARNING" also drops Serve's per-request access log
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     reward_weights: dict[str, float] = Field(default_factory=lambda: {"ocr": 1.0})
     reward_replicas: int = Field(1, ge=1)
     reward_num_cpus: float = Field(1.0, gt=0)
@@ -74,26 +76,27 @@ def build_app(args: FlowGRPOAppArgs) -> Application:
         from app.models.tiny import build_tiny_qwen_image
 
         build_tiny_qwen_image(args.model_path)  # here, once, before any replica starts
-    env = {"env_vars": _SINGLE_THREAD_ENV}
+    env = {"env_vars": {**_SINGLE_THREAD_ENV, "VLLM_LOGGING_LEVEL": args.log_level}}
+    logging_config = {"log_level": args.log_level, "enable_access_log": args.log_level in ("DEBUG", "INFO")}
     rollout = serve.deployment(
         _ServedRollout, name="Rollout", num_replicas=args.rollout_replicas,
         max_ongoing_requests=args.rollout_max_ongoing_requests, health_check_period_s=30,
-        health_check_timeout_s=60,
+        health_check_timeout_s=60, logging_config=logging_config,
         ray_actor_options={"num_cpus": args.rollout_num_cpus, "num_gpus": args.rollout_num_gpus,
                            "runtime_env": env},
     ).bind(args.model_path, engine=args.engine, dtype=args.dtype, batched_groups=args.batched_groups,
            max_num_seqs=args.max_num_seqs, torch_threads=args.torch_threads)
     reward = serve.deployment(
         _ServedReward, name="Reward", num_replicas=args.reward_replicas,
-        max_ongoing_requests=4 * args.reward_max_batch_size,
+        max_ongoing_requests=4 * args.reward_max_batch_size, logging_config=logging_config,
         ray_actor_options={"num_cpus": args.reward_num_cpus, "runtime_env": env},
     ).bind(args.reward_weights, args.reward_max_batch_size, args.torch_threads)
-    ingress = serve.deployment(serve.ingress(fastapi_app)(ApiIngress), name="Api",
+    ingress = serve.deployment(serve.ingress(fastapi_app)(ApiIngress), name="Api", logging_config=logging_config,
                                ray_actor_options={"num_cpus": args.api_num_cpus})
     return ingress.bind(rollout, reward, args.limits, args.defaults)
 
 
-def app_args_from_config(config) -> FlowGRPOAppArgs:
+def app_args_from_config(config, *, log_level: str = "INFO") -> FlowGRPOAppArgs:
     """The application a training run deploys, from its RunConfig."""
     m, r, w = config.model, config.rollout, config.reward
     return FlowGRPOAppArgs(
@@ -101,6 +104,7 @@ def app_args_from_config(config) -> FlowGRPOAppArgs:
         rollout_num_cpus=r.replica_num_cpus, rollout_num_gpus=r.replica_num_gpus,
         rollout_max_ongoing_requests=r.max_ongoing_requests, batched_groups=r.batched_groups,
         reward_weights=dict(w.weights), reward_replicas=w.num_replicas, reward_num_cpus=w.replica_num_cpus,
+        log_level=log_level,
         defaults=GenerationDefaults(size=f"{r.width}x{r.height}", num_inference_steps=r.num_steps,
                                     noise_level=r.noise_level, sde_type=r.sde_type, guidance=r.guidance_scale,
                                     negative_prompt=r.negative_prompt),

@@ -57,11 +57,13 @@ class RolloutClient:
         return sorted(groups, key=lambda g: g.index)
 
 
-async def publish_lora(rollout, adapter: LoraAdapter) -> list[int]:
-    """Put the adapter in the object store once and load it on every live rollout replica; returns when all
-    replicas acknowledged `adapter.version` (raises if one did not)."""
+async def publish_lora(rollout, adapter: LoraAdapter | None) -> list[int]:
+    """Put the adapter in the object store once and load it on every live rollout replica (None: every replica
+    goes back to the base model, version 0); returns when all replicas acknowledged the version (raises if one
+    did not). Re-publishing the version a replica already serves is a no-op there."""
+    version = adapter.version if adapter is not None else 0
     ref = ray.put(adapter)  # this process owns the object: it stays alive until the broadcast returns
     versions = await rollout.broadcast("load_lora", [ref]).results_async()
-    if not versions or any(v != adapter.version for v in versions):
-        raise RuntimeError(f"replicas answered {versions} to publishing version {adapter.version}")
+    if not versions or any(v != version for v in versions):
+        raise RuntimeError(f"replicas answered {versions} to publishing version {version}")
     return versions

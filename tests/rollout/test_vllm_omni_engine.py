@@ -1,6 +1,8 @@
 """The real vllm-omni engine (CPU platform, tiny Qwen-Image): trajectories, seeding, batching, LoRA in memory, and
 exact parity with the trainer-side recompute and with the diffusers reference engine."""
 
+import dataclasses
+
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
@@ -138,8 +140,9 @@ def test_lora_in_memory_versions_and_parity(vllm_engine, aio, tiny_model_dir, lo
     attach_lora(transformer, lora_v3)  # the trainer's side: the same tensors attached with peft
     diff = (recompute(transformer, tuned) - tuned.log_probs).abs().max().item()
     assert diff <= PARITY_TOL, diff
-    with pytest.raises(ValueError, match="not newer"):
-        aio(vllm_engine.load_lora(lora_v3))
+    assert aio(vllm_engine.load_lora(lora_v3)) == 3  # re-publishing the served version is a no-op
+    with pytest.raises(ValueError, match="older than the served version 3"):
+        aio(vllm_engine.load_lora(dataclasses.replace(lora_v3, version=2)))
 
 
 def test_zero_adapter_reproduces_the_base_model_exactly(vllm_engine, aio, lora_v3, base_model_after):

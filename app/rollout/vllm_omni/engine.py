@@ -152,9 +152,11 @@ class VllmOmniEngine:
             if adapter is None:
                 self._lora_version = 0
                 return 0
-            if adapter.version <= self._lora_version:
-                raise ValueError(f"adapter version {adapter.version} is not newer than the served version "
-                                 f"{self._lora_version}")
+            if adapter.version == self._lora_version:  # re-published (e.g. after a replica restart): served already
+                return adapter.version
+            if adapter.version < self._lora_version:
+                raise ValueError(f"adapter version {adapter.version} is older than the served version "
+                                 f"{self._lora_version}: publish a newer one, or None to reset to the base model")
             tensors, peft_config = to_vllm_omni(adapter)
             staged = _first_result(await self._omni.collective_rpc("stage_lora",
                                                                   args=(adapter.version, tensors, peft_config)))

@@ -48,6 +48,7 @@ def _flowgrpo_args(sampling_params) -> dict | None:
 
 class FlowGRPOQwenImagePipeline(QwenImagePipeline):
     supports_step_execution = False  # the step-wise path calls the stock scheduler step
+    _progress_bar_config = {"disable": True}  # a server's per-request denoising bars are noise in every log
     _recording: _Recording | None = None
 
     def forward(self, req):

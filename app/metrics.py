@@ -1,0 +1,115 @@
+"""Where a run's numbers go: tensorboard and a JSON-lines history (rank 0 only), and Ray metrics that the Ray
+dashboard shows (exported through Ray's Prometheus endpoint; Grafana panels under the `ray_flowgrpo_` prefix)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+class RunLog:
+    """Rank 0's record of a run under `run_dir`: tensorboard events (`tensorboard/`), one JSON line per step
+    (`metrics.jsonl`, what the reward curve is drawn from) and image grids (`images/step_XXXXXX.png`)."""
+
+    def __init__(self, run_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.dir = Path(run_dir)
+        (self.dir / "images").mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(str(self.dir / "tensorboard"))
+        self.history = self.dir / "metrics.jsonl"
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+        with self.history.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def log_images(self, step: int, images: np.ndarray, captions: list[str]) -> Path:
+        """A grid of uint8 [N, H, W, 3] images (one row per prompt group) as a PNG and a tensorboard image."""
+        grid = image_grid(images, rows=len(captions))
+        path = self.dir / "images" / f"step_{step:06d}.png"
+        from PIL import Image
+
+        Image.fromarray(grid).save(path)
+        self.writer.add_image("samples", grid, step, dataformats="HWC")
+        self.writer.add_text("samples/prompts", "\n\n".join(captions), step)
+        return path
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def image_grid(images: np.ndarray, rows: int) -> np.ndarray:
+    """uint8 [N, H, W, 3] → one [rows·H, cols·W, 3] grid (row-major; N must be rows × cols)."""
+    n, h, w, c = images.shape
+    cols = n // rows
+    if rows * cols != n:
+        raise ValueError(f"{n} images do not fill {rows} rows")
+    return images.reshape(rows, cols, h, w, c).transpose(0, 2, 1, 3, 4).reshape(rows * h, cols * w, c)
+
+
+def read_history(run_dir: str | Path) -> list[dict]:
+    """The per-step metrics of a run, one dict per step (the last record wins when a resumed run rewrote steps)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    by_step = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_reward_curve(history: list[dict], path: str | Path) -> Path:
+    """Mean reward (and every reward component) per step, with the batch std as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    mean = np.array([r["reward/mean"] for r in history])
+    std = np.array([r.get("reward/std", 0.0) for r in history])
+    ax.plot(steps, mean, marker="o", label="reward (weighted total)")
+    ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
+    components = sorted({k for r in history for k in r if k.startswith("reward/") and k.endswith("/mean")})
+    for key in components:
+        ax.plot(steps, [r.get(key, np.nan) for r in history], linestyle="--", label=key.split("/")[1])
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean reward of the step's rollouts")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+class RayMetrics:
+    """Counters and gauges in Ray's metrics system (dashboard → Metrics; Prometheus `ray_flowgrpo_*`)."""
+
+    def __init__(self, run: str):
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        tags = {"run": run}
+        self.images = Counter("flowgrpo_images_generated", "rollout images generated for training",
+                              tag_keys=("run",))
+        self.reward = Gauge("flowgrpo_reward_mean", "mean reward of the last step's rollouts", tag_keys=("run",))
+        self.version = Gauge("flowgrpo_adapter_version", "LoRA version published to the rollout replicas",
+                             tag_keys=("run",))
+        self.step_time = Histogram("flowgrpo_step_seconds", "wall time of one optimizer step",
+                                   boundaries=[0.5, 1, 2, 5, 10, 20, 60, 120, 300], tag_keys=("run",))
+        for metric in (self.images, self.reward, self.version, self.step_time):
+            metric.set_default_tags(tags)
+
+    def record(self, *, images: int, reward_mean: float, adapter_version: int, step_seconds: float) -> None:
+        self.images.inc(images)
+        self.reward.set(reward_mean)
+        self.version.set(adapter_version)
+        self.step_time.observe(step_seconds)

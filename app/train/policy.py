@@ -1,0 +1,140 @@
+"""The trained policy: the diffusers Qwen-Image transformer, frozen, with a peft LoRA, sharded with FSDP2.
+
+- Per-step log-probs and means come from `app.models.qwen_image.score_steps`, i.e. from `app.algo.sde.sde_step`,
+  the sampler the rollout engines run: the trainer scores exactly the transitions the rollout took.
+- The reference policy is the same module with the adapter disabled (`with policy.reference():`), so the KL costs
+  one extra forward and no second copy of the weights.
+- Under FSDP2 (`fully_shard` per transformer block, then the root) every rank holds a shard of every parameter;
+  `export_adapter` gathers only the LoRA parameters (`DTensor.full_tensor`), never the 20B base model.
+  Every FSDP2 forward and gather is a collective: all ranks must make the same calls in the same order.
+
+No Ray and no config objects here: numbers and paths in, tensors out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from app.algo.sde import SDEStepOutput
+from app.models import qwen_image
+from app.models.lora import ADAPTER_NAME
+from app.rollout.types import LoraAdapter, Trajectory
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a collective for an FSDP2 DTensor shard)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+class Policy:
+    def __init__(self, transformer, *, sharded: bool):
+        self.transformer = transformer
+        self.sharded = sharded
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str | Path,
+        *,
+        lora_rank: int,
+        lora_alpha: float,
+        target_modules: Sequence[str],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        adapter_tensors: dict[str, torch.Tensor] | None = None,
+        shard: bool | None = None,
+    ) -> Policy:
+        """Load `<model_path>/transformer`, freeze it, add the LoRA (initialised from `seed`, or loaded from
+        `adapter_tensors` when resuming), then shard it when a process group is up (`shard=None`: auto)."""
+        from diffusers import QwenImageTransformer2DModel
+        from peft import LoraConfig, set_peft_model_state_dict
+
+        transformer = QwenImageTransformer2DModel.from_pretrained(Path(model_path) / "transformer", dtype=dtype)
+        transformer.requires_grad_(False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # every rank initialises the same adapter (A random, B = 0: starts at the base)
+            transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha,
+                                               target_modules=list(target_modules)), ADAPTER_NAME)
+        if adapter_tensors is not None:
+            result = set_peft_model_state_dict(transformer, adapter_tensors, adapter_name=ADAPTER_NAME)
+            if result.unexpected_keys:
+                raise ValueError(f"checkpoint adapter does not match the model: {result.unexpected_keys[:3]}")
+        transformer.to(device)
+        shard = dist.is_available() and dist.is_initialized() if shard is None else shard
+        if shard:
+            _fully_shard(transformer, dtype)
+        return cls(transformer, sharded=shard)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable (LoRA) parameters."""
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def score(self, traj: Trajectory, steps: Sequence[int], samples: Sequence[int], *,
+              flow_grpo_compat: bool = False) -> list[SDEStepOutput]:
+        """log π(x_{i+1} | x_i) and the transition mean for each step i of `steps`, for group members `samples`
+        (differentiable w.r.t. the LoRA unless called under `torch.no_grad()`)."""
+        return qwen_image.score_steps(self.transformer, traj, steps, samples=samples,
+                                      flow_grpo_compat=flow_grpo_compat)
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """The reference policy π_ref: the base transformer, adapter switched off for the duration."""
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """Full LoRA tensors in peft/diffusers naming (`<module>.lora_A.weight`), detached CPU copies. Gathers only
+        the adapter parameters; under FSDP2 every rank must call it."""
+        from peft import get_peft_model_state_dict
+
+        lora = {name: _full(p.detach()).to("cpu", copy=True)
+                for name, p in self.transformer.named_parameters() if f".{ADAPTER_NAME}." in name}
+        return get_peft_model_state_dict(self.transformer, state_dict=lora, adapter_name=ADAPTER_NAME)
+
+    def export_adapter(self, version: int) -> LoraAdapter:
+        config = self.transformer.peft_config[ADAPTER_NAME]
+        return LoraAdapter(self.adapter_state(), rank=config.r, alpha=config.lora_alpha,
+                           target_modules=sorted(config.target_modules), version=version)
+
+    def save_adapter(self, directory: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+        """The adapter as diffusers writes LoRAs (`pytorch_lora_weights.safetensors`, peft tensor names under
+        `transformer.`, rank/alpha in the metadata): `QwenImagePipeline.load_lora_weights(directory)` loads it."""
+        from diffusers import QwenImagePipeline
+
+        config = self.transformer.peft_config[ADAPTER_NAME]
+        tensors = self.adapter_state() if tensors is None else tensors
+        QwenImagePipeline.save_lora_weights(
+            directory, transformer_lora_layers=tensors,
+            transformer_lora_adapter_metadata={"r": config.r, "lora_alpha": config.lora_alpha,
+                                               "target_modules": sorted(config.target_modules)})
+        return Path(directory) / "pytorch_lora_weights.safetensors"
+
+
+def load_adapter_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Adapter tensors (peft naming, no `transformer.` prefix) of a folder written by `Policy.save_adapter`."""
+    from diffusers import QwenImagePipeline
+
+    state = QwenImagePipeline.lora_state_dict(str(directory))
+    return {k.removeprefix("transformer."): v for k, v in state.items()}
+
+
+def _fully_shard(transformer, dtype: torch.dtype) -> None:
+    """FSDP2: one unit per transformer block (all-gathered only while that block runs), then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # the LoRA stays fp32 next to a bf16 base (peft's autocast_adapter_dtype): compute in the model dtype,
+    # reduce gradients in fp32
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
+    kwargs = {"mp_policy": mp} if mp is not None else {}
+    for block in transformer.transformer_blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(transformer, **kwargs)

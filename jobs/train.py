@@ -1,0 +1,154 @@
+"""Train a LoRA of the diffusion transformer with FlowGRPO on Ray.
+
+    python -m jobs.train --config configs/tiny_cpu.yaml [key=value ...] [--resume]
+    ray job submit --working-dir . -- python -m jobs.train --config configs/tiny_cpu.yaml logging.dir=/abs/run
+
+Joins the cluster of `cluster.address` / RAY_ADDRESS (what `ray job submit` sets) or starts a local one, deploys
+the rollout + reward Serve application from the config, runs the `TorchTrainer` (FSDP2 workers, gloo on CPU,
+NCCL on GPUs) and, at the end, draws the reward curve and points at everything it wrote under `logging.dir`.
+The config is checked before anything starts: a bad one is a one-line error that names the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from app.config import ConfigError, RunConfig, load, to_yaml
+
+CHECKPOINTS = "checkpoints"  # Ray Train run name: checkpoints land in <logging.dir>/checkpoints/checkpoint_step_*
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="run config YAML, e.g. configs/tiny_cpu.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.learning_rate=1e-3")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in logging.dir from its latest checkpoint")
+    parser.add_argument("--keep-serving", action="store_true",
+                        help="leave the rollout/reward Serve application running after training")
+    return parser.parse_args(argv)
+
+
+def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    """The run config and run folder, or a ConfigError saying what to change. Starts nothing."""
+    config = load(args.config, args.overrides)
+    model = Path(config.model.path).expanduser()
+    if not config.model.build_tiny and not (model / "model_index.json").is_file():
+        raise ConfigError(f"model.path={config.model.path!r} is not a diffusers checkpoint folder (no "
+                          "model_index.json): point it at one, or set model.build_tiny=true for the tiny CPU model")
+    from app.train.prompts import load_prompts
+
+    try:
+        load_prompts(config.data.prompts)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    # Ray workers run in their own folders: every path they read becomes absolute here
+    config.model.path = str(model.resolve())
+    if Path(config.data.prompts).expanduser().is_file():
+        config.data.prompts = str(Path(config.data.prompts).expanduser().resolve())
+    run_dir = Path(config.logging.dir).expanduser().resolve()
+    has_checkpoint = any((run_dir / CHECKPOINTS).glob("checkpoint_step_*"))
+    if args.resume and not has_checkpoint:
+        raise ConfigError(f"logging.dir={config.logging.dir!r} has no checkpoint to resume: drop --resume, or point "
+                          "logging.dir at the run to continue")
+    if not args.resume and (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"logging.dir={config.logging.dir!r} already holds a run: pass --resume to continue it, "
+                          "or set logging.dir to a new folder")
+    return config, run_dir
+
+
+def start_ray(config: RunConfig):
+    import ray
+
+    # workers started by a local cluster inherit this environment; an existing cluster keeps its own
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return ray.init(address=config.cluster.address, log_to_driver=True)
+
+
+def deploy_serve_app(config: RunConfig):
+    from ray import serve
+
+    from deployments.builders import APP_NAME, app_args_from_config, build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": config.cluster.serve_port})
+    print(f"deploying the rollout/reward application ({config.rollout.num_replicas} rollout replicas)...",
+          flush=True)
+    serve.run(build_app(app_args_from_config(config, log_level="WARNING")), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+
+
+def fit(config: RunConfig, run_dir: Path):
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from app.train.loop import train_loop_per_worker
+
+    cl = config.cluster
+    resources = {"CPU": cl.worker_num_cpus, **({"GPU": 1} if cl.use_gpu else {})}
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"config": config, "run_dir": str(run_dir)},
+        scaling_config=ray.train.ScalingConfig(num_workers=cl.num_workers, use_gpu=cl.use_gpu,
+                                               resources_per_worker=resources),
+        torch_config=TorchConfig(backend="nccl" if cl.use_gpu else "gloo"),
+        run_config=ray.train.RunConfig(name=CHECKPOINTS, storage_path=str(run_dir),
+                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
+                                       failure_config=ray.train.FailureConfig(max_failures=0)),
+    )
+    return trainer.fit()
+
+
+def summarize(run_dir: Path, result, dashboard_url: str | None) -> None:
+    from app.metrics import plot_reward_curve, read_history
+
+    history = read_history(run_dir)
+    lines = [f"run folder:    {run_dir}", f"tensorboard:   tensorboard --logdir {run_dir / 'tensorboard'}"]
+    if history:
+        curve = plot_reward_curve(history, run_dir / "reward_curve.png")
+        first, last = history[0]["reward/mean"], history[-1]["reward/mean"]
+        lines += [f"reward:        {first:+.4f} (step {history[0]['step']}) -> {last:+.4f} "
+                  f"(step {history[-1]['step']})", f"reward curve:  {curve}"]
+    grids = sorted((run_dir / "images").glob("step_*.png"))
+    if grids:
+        final = run_dir / "samples.png"
+        shutil.copyfile(grids[-1], final)
+        lines.append(f"image grid:    {final} (every logged step in {run_dir / 'images'})")
+    if result is not None and result.checkpoint is not None:
+        adapter = Path(result.checkpoint.path) / "adapter"
+        lines += [f"checkpoint:    {result.checkpoint.path}",
+                  f"LoRA adapter:  {adapter} (QwenImagePipeline.load_lora_weights(...) loads it)"]
+    if dashboard_url:
+        lines.append(f"Ray dashboard: http://{dashboard_url} (Metrics: ray_flowgrpo_*)")
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config, run_dir = checked_config(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    context = start_ray(config)
+    from ray import serve
+
+    from deployments.builders import APP_NAME
+
+    try:
+        deploy_serve_app(config)
+        result = fit(config, run_dir)
+    finally:
+        if not args.keep_serving:
+            serve.delete(APP_NAME)
+    summarize(run_dir, result, getattr(context, "dashboard_url", None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
