@@ -66,25 +66,29 @@ def read_history(run_dir: str | Path) -> list[dict]:
 
 
 def plot_reward_curve(history: list[dict], path: str | Path) -> Path:
-    """Mean reward (and every reward component) per step, with the batch std as a band."""
+    """Mean reward per step (the batch std as a band), and one panel per reward component (own scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in history]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    components = sorted({k.split("/")[1] for r in history for k in r
+                         if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2})
+    fig, axes = plt.subplots(1 + len(components), 1, figsize=(6, 2.2 * (1 + len(components))), dpi=120,
+                             sharex=True, squeeze=False)
     mean = np.array([r["reward/mean"] for r in history])
     std = np.array([r.get("reward/std", 0.0) for r in history])
-    ax.plot(steps, mean, marker="o", label="reward (weighted total)")
-    ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
-    components = sorted({k for r in history for k in r if k.startswith("reward/") and k.endswith("/mean")})
-    for key in components:
-        ax.plot(steps, [r.get(key, np.nan) for r in history], linestyle="--", label=key.split("/")[1])
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean reward of the step's rollouts")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    axes[0, 0].plot(steps, mean, marker="o", markersize=3)
+    axes[0, 0].fill_between(steps, mean - std, mean + std, alpha=0.2)
+    axes[0, 0].set_ylabel("reward (total)")
+    for ax, name in zip(axes[1:, 0], components):
+        ax.plot(steps, [r.get(f"reward/{name}/mean", np.nan) for r in history], marker="o", markersize=3,
+                color="tab:orange")
+        ax.set_ylabel(name, fontsize=8)
+    for ax in axes[:, 0]:
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("optimizer step (mean over the step's rollouts)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -4,6 +4,7 @@ other groups are still generating), and LoRA publication to every rollout replic
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ import ray
 from app.rewards import RewardScores
 from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
 from deployments.builders import APP_NAME
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,8 +34,11 @@ def handles(app_name: str = APP_NAME):
 
 
 class RolloutClient:
-    def __init__(self, rollout, reward):
+    def __init__(self, rollout, reward, *, retries: int = 2, retry_delay_s: float = 2.0):
         self.rollout, self.reward = rollout, reward  # DeploymentHandles
+        # a group whose replica died mid-request is asked again (Serve routes it to a live or restarted replica);
+        # a rejected request (ValueError: bad input) is not retried
+        self.retries, self.retry_delay_s = retries, retry_delay_s
 
     async def _score(self, index: int, traj: Trajectory) -> ScoredGroup:
         arrived = time.perf_counter()
@@ -42,7 +48,16 @@ class RolloutClient:
     async def stream(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[ScoredGroup]:
         """Scored groups in the order they finish; each is sent to the reward as soon as it is generated."""
         async def one(i: int, request: GenerationRequest) -> ScoredGroup:
-            return await self._score(i, await self.rollout.generate.remote(request))
+            for attempt in range(self.retries + 1):
+                try:
+                    return await self._score(i, await self.rollout.generate.remote(request))
+                except ValueError:
+                    raise
+                except Exception as err:  # replica lost, engine error: worth another try elsewhere
+                    if attempt == self.retries:
+                        raise
+                    logger.warning("group %s failed (%s: %s); retrying", request.prompt_id, type(err).__name__, err)
+                    await asyncio.sleep(self.retry_delay_s)
 
         for next_done in asyncio.as_completed([one(i, r) for i, r in enumerate(requests)]):
             yield await next_done

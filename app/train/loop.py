@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -319,7 +320,8 @@ class Progress:
         print(f"[flowgrpo] step {step + 1}/{self.total}  reward {m['reward/mean']:+.4f}  "
               f"loss {m['actor/loss']:+.2e}  |ratio-1| first pass {m['actor/ratio_dev_first_pass_max']:.1e}  "
               f"logprob mismatch {m['rollout/logprob_mismatch_max']:.1e}  staleness {m['rollout/staleness_max']:.0f}"
-              f"  {m['timing/step_s']:.1f}s/step  eta {eta:.0f}s", flush=True)
+              f"  {m['timing/step_s']:.1f}s/step  eta {eta:.0f}s",
+              file=sys.__stdout__, flush=True)  # the real stdout: Ray Train's print patch would log it twice
 
 
 def _setup(config: RunConfig, run_dir: Path, aio: asyncio.Runner) -> Worker:

@@ -115,12 +115,12 @@ def fsdp_update(cfg: dict) -> None:
 
 def test_fsdp2_update_on_two_workers_matches_an_unsharded_float64_step(ray_cluster, tiny_model_dir, adapter,
                                                                         rollout, tmp_path):
-    import cloudpickle
+    import ray.cloudpickle
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
-    lr = 0.5
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+    lr = 50.0  # one SGD step: large enough that the update dwarfs fp32 rounding of the weights
     trainer = TorchTrainer(
         fsdp_update, train_loop_config={"model": str(tiny_model_dir), "adapter": adapter.tensors, "traj": rollout,
                                         "lr": lr, "out": str(tmp_path / "sharded.pt")},
@@ -138,6 +138,7 @@ def test_fsdp2_update_on_two_workers_matches_an_unsharded_float64_step(ray_clust
         step_fsdp = sharded[key].double() - start.double()
         step_ref = expected[key] - start.double()
         scale = step_ref.abs().max().item()
+        rounding = 4 * torch.finfo(torch.float32).eps * start.abs().max().item()  # the fp32 copy of the weight
         if ".lora_B." in key:
-            assert scale > 1e-4, key  # the step moved the adapter measurably
-        assert (step_fsdp - step_ref).abs().max().item() <= 1e-4 * scale + 1e-9, key
+            assert scale > 1e3 * rounding, key  # the step moved the adapter measurably
+        assert (step_fsdp - step_ref).abs().max().item() <= 1e-4 * scale + rounding, key
