@@ -114,3 +114,19 @@ def test_resumed_run_reproduces_the_uninterrupted_one(tiny_run, tmp_path):
     for r, u in zip(resumed, uninterrupted[:6]):
         assert r["reward/mean"] == u["reward/mean"] and r["actor/grad_norm"] == pytest.approx(u["actor/grad_norm"],
                                                                                               rel=1e-6)
+
+
+def test_kl_off_policy_passes_and_recomputed_old_log_probs_run_under_fsdp2(tmp_path):
+    """The loss terms the tiny config leaves off: β·KL to the adapter-free reference, a second (off-policy,
+    clipped) pass, recomputed old log-probs, a fraction of the timesteps."""
+    run_dir = tmp_path / "run"
+    done = run_job(f"logging.dir={run_dir}", "train.num_steps=2", "train.kl_beta=0.5", "train.num_inner_epochs=2",
+                   "train.timestep_fraction=0.5", "train.old_logprob=recompute", "train.checkpoint_every=0")
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = history(run_dir)
+    assert len(records) == 2
+    for r in records:
+        assert all(math.isfinite(v) for v in r.values())
+        assert r["rollout/logprob_mismatch_max"] <= 1e-5 and r["actor/ratio_dev_first_pass_max"] <= 1e-5
+        assert r["actor/ratio_dev_max"] > 1e-6  # the second pass scores an updated policy: ratio != 1
+        assert r["actor/kl"] > 0  # after the first optimizer step the adapter moves away from the reference

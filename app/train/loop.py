@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +58,6 @@ class Worker:
     log: run_metrics.RunLog | None = None  # rank 0 only
     ray_metrics: run_metrics.RayMetrics | None = None
     progress: Progress | None = None
-    timers: dict = field(default_factory=dict)
 
 
 def train_loop_per_worker(loop_config: dict) -> None:

@@ -65,6 +65,10 @@ class Policy:
             result = set_peft_model_state_dict(transformer, adapter_tensors, adapter_name=ADAPTER_NAME)
             if result.unexpected_keys:
                 raise ValueError(f"checkpoint adapter does not match the model: {result.unexpected_keys[:3]}")
+        if dtype != torch.float32:  # the optimizer updates fp32 LoRA weights; FSDP2 casts them for compute
+            for p in transformer.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
         transformer.to(device)
         shard = dist.is_available() and dist.is_initialized() if shard is None else shard
         if shard:
@@ -131,8 +135,7 @@ def _fully_shard(transformer, dtype: torch.dtype) -> None:
     """FSDP2: one unit per transformer block (all-gathered only while that block runs), then the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # the LoRA stays fp32 next to a bf16 base (peft's autocast_adapter_dtype): compute in the model dtype,
-    # reduce gradients in fp32
+    # fp32 LoRA next to a bf16 base: all-gather and compute in the model dtype, reduce gradients in fp32
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
     kwargs = {"mp_policy": mp} if mp is not None else {}
     for block in transformer.transformer_blocks:
