@@ -176,3 +176,16 @@ def test_invalid_requests_never_reach_the_engine(vllm_engine, aio):
         aio(vllm_engine.generate({"prompt": "a cat"}))
     assert aio(vllm_engine.health())["served"] == served
     assert aio(vllm_engine.generate(request(n=1))).images.shape[0] == 1  # still serving
+
+
+def test_versions_restart_at_one_after_a_reset(vllm_engine, aio, lora_v3, base_model_after):
+    """A new training run resets the replicas to the base model and publishes version 1 again: the adapter
+    staged under id 1 must be the one served, even though higher ids were staged before."""
+    top = vllm_engine.lora_version
+    for v in (top + 5, top + 6):
+        aio(vllm_engine.load_lora(dataclasses.replace(lora_v3, version=v)))
+    expected = aio(vllm_engine.generate(request()))
+    aio(vllm_engine.load_lora(None))
+    assert aio(vllm_engine.load_lora(dataclasses.replace(lora_v3, version=1))) == 1
+    again = aio(vllm_engine.generate(request()))
+    assert again.lora_version == 1 and torch.equal(again.latents, expected.latents)

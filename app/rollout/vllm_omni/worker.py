@@ -25,8 +25,10 @@ class FlowGRPOWorkerExtension(CustomPipelineWorkerExtension):
         staged = getattr(pipe, "_staged_loras", None)
         if staged is None:
             staged = pipe._staged_loras = {}
+        staged.pop(lora_int_id, None)  # re-staged: now the newest
         staged[lora_int_id] = ({k: v.to("cpu") for k, v in tensors.items()}, dict(peft_config))
-        for old in sorted(staged)[:-STAGED_VERSIONS_KEPT]:
+        # evict the oldest staged, not the lowest id: after a reset to the base model, versions start again at 1
+        for old in list(staged)[:-STAGED_VERSIONS_KEPT]:
             del staged[old]
             if self.lora_manager is not None:
                 self.lora_manager.remove_adapter(old)
