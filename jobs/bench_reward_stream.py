@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from deployments.builders import APP_NAME, app_args_from_config, build_app
-    from deployments.client import RolloutClient, handles
+    from app.rollout.client import RolloutClient
+    from deployments.client import handles
 
     ray.init(address=config.cluster.address, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 0})

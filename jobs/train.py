@@ -74,14 +74,16 @@ def deploy_serve_app(config: RunConfig):
     from ray import serve
 
     from deployments.builders import APP_NAME, app_args_from_config, build_app
+    from deployments.client import handles
 
     serve.start(http_options={"host": "127.0.0.1", "port": config.cluster.serve_port})
     print(f"deploying the rollout/reward application ({config.rollout.num_replicas} rollout replicas)...",
           flush=True)
     serve.run(build_app(app_args_from_config(config, log_level="WARNING")), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+    return handles(APP_NAME)
 
 
-def fit(config: RunConfig, run_dir: Path):
+def fit(config: RunConfig, run_dir: Path, rollout, reward):
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -91,7 +93,7 @@ def fit(config: RunConfig, run_dir: Path):
     resources = {"CPU": cl.worker_num_cpus, **({"GPU": 1} if cl.use_gpu else {})}
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": config, "run_dir": str(run_dir)},
+        train_loop_config={"config": config, "run_dir": str(run_dir), "rollout": rollout, "reward": reward},
         scaling_config=ray.train.ScalingConfig(num_workers=cl.num_workers, use_gpu=cl.use_gpu,
                                                resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if cl.use_gpu else "gloo"),
@@ -141,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     from deployments.builders import APP_NAME
 
     try:
-        deploy_serve_app(config)
-        result = fit(config, run_dir)
+        rollout, reward = deploy_serve_app(config)
+        result = fit(config, run_dir, rollout, reward)
     finally:
         if not args.keep_serving:
             serve.delete(APP_NAME)

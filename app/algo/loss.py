@@ -73,5 +73,7 @@ def flow_grpo_loss(
             "actor/ratio_mean": float(ratio.mean()),
             "actor/ratio_min": float(ratio.min()),
             "actor/ratio_max": float(ratio.max()),
+            "actor/log_ratio_abs_max": float(log_ratio.abs().max()),  # on-policy check: 0 at the first pass
+            "actor/ratio_dev_max": float((ratio - 1).abs().max()),
         })
     return loss, metrics

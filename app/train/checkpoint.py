@@ -31,12 +31,13 @@ class TrainerState:
 
 
 def save(directory: str | Path, *, policy: Policy, optimizer: torch.optim.Optimizer, state: TrainerState,
-         rank: int) -> Path:
+         rank: int, adapter: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a checkpoint; `adapter`: the full LoRA tensors if already gathered (else gathered here)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    adapter = policy.adapter_state()  # collective
+    adapter = policy.adapter_state() if adapter is None else adapter  # gathering is a collective
     optim_state = get_optimizer_state_dict(policy.transformer, optimizer,
                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     torch.save(torch.get_rng_state(), directory / f"rng_rank{rank}.pt")

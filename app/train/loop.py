@@ -34,11 +34,11 @@ from app import metrics as run_metrics
 from app.algo.advantages import group_advantages
 from app.algo.loss import flow_grpo_loss, transition_kl
 from app.config import RunConfig
+from app.rollout.client import RolloutClient, ScoredGroup, publish_lora
 from app.rollout.types import GenerationRequest, LoraAdapter
 from app.train import checkpoint
 from app.train.policy import Policy
 from app.train.prompts import group_seed, load_prompts, step_prompts
-from deployments.client import RolloutClient, ScoredGroup, handles, publish_lora
 
 
 @dataclass
@@ -61,9 +61,11 @@ class Worker:
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
-    """Ray Train entry point. loop_config: {"config": RunConfig, "run_dir": absolute path of the run folder}."""
+    """Ray Train entry point. loop_config: {"config": RunConfig, "run_dir": absolute path of the run folder,
+    "rollout", "reward": DeploymentHandles of the application serving the rollouts and rewards}."""
     with asyncio.Runner() as aio:
-        worker = _setup(loop_config["config"], Path(loop_config["run_dir"]), aio)
+        client = RolloutClient(loop_config["rollout"], loop_config["reward"])
+        worker = _setup(loop_config["config"], Path(loop_config["run_dir"]), client, aio)
         cfg = worker.config.train
         try:
             for step in range(worker.state.step, cfg.num_steps):
@@ -183,13 +185,8 @@ def _step_loss(w: Worker, traj, i: int, samples: list[int], adv: torch.Tensor, o
         with torch.no_grad(), w.policy.reference():
             (ref,) = w.policy.score(traj, [i], samples, flow_grpo_compat=t.flow_grpo_compat)
         kl = transition_kl(out.prev_sample_mean, ref.prev_sample_mean, out.kl_std(t.flow_grpo_compat))
-    loss, m = flow_grpo_loss(out.log_prob, old_lp.to(out.log_prob), adv.to(out.log_prob), clip_range=t.clip_range,
-                             kl=kl, kl_beta=t.kl_beta)
-    with torch.no_grad():
-        log_ratio = (out.log_prob - old_lp.to(out.log_prob)).abs()
-        m["actor/log_ratio_abs_max"] = float(log_ratio.max())
-        m["actor/ratio_dev_max"] = float(torch.expm1(log_ratio).abs().max())
-    return loss, m
+    return flow_grpo_loss(out.log_prob, old_lp.to(out.log_prob), adv.to(out.log_prob), clip_range=t.clip_range,
+                          kl=kl, kl_beta=t.kl_beta)
 
 
 @torch.no_grad()
@@ -243,17 +240,23 @@ def _reward_metrics(rewards: dict) -> dict[str, float]:
     return out
 
 
+def _extreme(key: str) -> str | None:
+    """Which extreme a metric keeps ("max" for `..._max`, "min" for `..._min`), None for a mean."""
+    return key.rsplit("_", 1)[-1] if key.endswith(("_max", "_min")) else None
+
+
 class Stats:
-    """Weighted means of metrics; keys ending in `_max`/`_min` keep the extreme instead."""
+    """Weighted means of metrics; keys ending in `_max`/`_min` keep the extreme instead (`_extreme`)."""
 
     def __init__(self):
         self.sums, self.weights, self.extremes = defaultdict(float), defaultdict(float), {}
 
     def add(self, metrics: dict[str, float], weight: float = 1.0) -> None:
         for key, value in metrics.items():
-            if key.endswith("_max"):
+            kind = _extreme(key)
+            if kind == "max":
                 self.extremes[key] = max(self.extremes.get(key, -math.inf), value)
-            elif key.endswith("_min"):
+            elif kind == "min":
                 self.extremes[key] = min(self.extremes.get(key, math.inf), value)
             else:
                 self.sums[key] += weight * value
@@ -265,16 +268,14 @@ class Stats:
 
 def _reduce_over_workers(metrics: dict[str, float], world: int) -> dict[str, float]:
     """Means over workers (each worker has the same number of terms), max/min for `_max`/`_min` keys."""
-    keys = sorted(metrics)
-    ops = {"_max": dist.ReduceOp.MAX, "_min": dist.ReduceOp.MIN}
     out = {}
-    for suffix, op in [("_max", ops["_max"]), ("_min", ops["_min"]), ("", dist.ReduceOp.SUM)]:
-        chosen = [k for k in keys if (k.endswith(suffix) if suffix else not k.endswith(("_max", "_min")))]
+    for kind, op in [("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN), (None, dist.ReduceOp.SUM)]:
+        chosen = sorted(k for k in metrics if _extreme(k) == kind)  # the same keys in the same order on every rank
         if not chosen:
             continue
         values = torch.tensor([metrics[k] for k in chosen], dtype=torch.float64)
         dist.all_reduce(values, op=op)
-        if not suffix:
+        if kind is None:
             values /= world
         out.update(zip(chosen, values.tolist()))
     return out
@@ -302,7 +303,8 @@ def _report(w: Worker, step: int, metrics: dict[str, float]) -> None:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint.save(tmp, policy=w.policy, optimizer=w.optimizer, state=w.state, rank=w.rank)
+        checkpoint.save(tmp, policy=w.policy, optimizer=w.optimizer, state=w.state, rank=w.rank,
+                        adapter=w.adapter.tensors)  # gathered for publication already
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_dir_name=f"checkpoint_step_{step + 1:06d}")
 
@@ -323,7 +325,7 @@ class Progress:
               file=sys.__stdout__, flush=True)  # the real stdout: Ray Train's print patch would log it twice
 
 
-def _setup(config: RunConfig, run_dir: Path, aio: asyncio.Runner) -> Worker:
+def _setup(config: RunConfig, run_dir: Path, client: RolloutClient, aio: asyncio.Runner) -> Worker:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(config.cluster.worker_num_cpus)))
@@ -348,7 +350,7 @@ def _setup(config: RunConfig, run_dir: Path, aio: asyncio.Runner) -> Worker:
         state = restored.state
         adapter = policy.export_adapter(version=state.adapter_version) if state.adapter_version > 0 else None
     worker = Worker(config=config, rank=rank, world=world, policy=policy, optimizer=optimizer,
-                    client=RolloutClient(*handles()), aio=aio, prompts=load_prompts(config.data.prompts),
+                    client=client, aio=aio, prompts=load_prompts(config.data.prompts),
                     state=state, adapter=adapter)
     if rank == 0:
         # the replicas serve exactly this run's policy: the base model, or the resumed adapter

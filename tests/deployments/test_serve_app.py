@@ -100,7 +100,7 @@ def test_publication_reaches_every_replica_and_changes_generations(served, tiny_
     from diffusers import QwenImageTransformer2DModel
 
     from app.models.lora import random_lora
-    from deployments.client import publish_lora
+    from app.rollout.client import publish_lora
 
     rollout = served["rollout"]
     request = GenerationRequest("a red cube", n=2, height=64, width=64, num_steps=2, seed=11)
