@@ -1,0 +1,122 @@
+"""The trainer's recovery paths, which a healthy run never takes: a group whose replica failed is asked again
+(a rejected request is not), and a group sampled by another adapter version (a replica Serve restarted comes back
+on the base model) is regenerated after re-publishing.
+
+`StubRollout`/`StubReward` stand in for Serve DeploymentHandles (same `.method.remote(...)` awaitable shape) so that
+failures can be injected at exact calls; the real handles are exercised in tests/deployments and the job tests."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from app.rollout.client import RolloutClient
+from app.train import loop
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def remote(self, *args):
+        self.calls += 1
+
+        async def call():
+            await asyncio.sleep(0)
+            return self.fn(*args)
+        return call()
+
+
+def trajectory(request, version=0):
+    return SimpleNamespace(images=[request.prompt_id] * 2, prompt=request.prompt_id, group_size=2,
+                           lora_version=version, prompt_id=request.prompt_id)
+
+
+class StubRollout:
+    def __init__(self, fn):
+        self.generate = _Method(fn)
+
+
+class StubReward:
+    def __init__(self):
+        self.score = _Method(lambda images, prompts: [f"score:{p}" for p in prompts])
+
+
+def requests(k):
+    return [SimpleNamespace(prompt_id=str(i)) for i in range(k)]
+
+
+def test_a_failed_group_is_asked_again_and_arrives_in_request_order():
+    failures = {"1": 1}  # group 1's replica dies the first time
+
+    def flaky(request):
+        if failures.get(request.prompt_id, 0) > 0:
+            failures[request.prompt_id] -= 1
+            raise RuntimeError("ActorDiedError: replica lost")
+        return trajectory(request)
+
+    rollout = StubRollout(flaky)
+    groups = asyncio.run(RolloutClient(rollout, StubReward(), retries=2, retry_delay_s=0).collect(requests(3)))
+    assert [g.trajectory.prompt_id for g in groups] == ["0", "1", "2"] and [g.index for g in groups] == [0, 1, 2]
+    assert rollout.generate.calls == 4 and groups[1].rewards == ["score:1", "score:1"]
+
+
+def test_a_rejected_request_is_not_retried():
+    def reject(request):
+        raise ValueError("height must be a multiple of 16")
+
+    rollout = StubRollout(reject)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        asyncio.run(RolloutClient(rollout, StubReward(), retries=3, retry_delay_s=0).collect(requests(1)))
+    assert rollout.generate.calls == 1
+
+
+def test_retries_are_bounded():
+    def dead(request):
+        raise RuntimeError("replica lost")
+
+    rollout = StubRollout(dead)
+    with pytest.raises(RuntimeError, match="replica lost"):
+        asyncio.run(RolloutClient(rollout, StubReward(), retries=2, retry_delay_s=0).collect(requests(1)))
+    assert rollout.generate.calls == 3
+
+
+def _worker(rollout, adapter_version):
+    runner = asyncio.Runner()
+    adapter = SimpleNamespace(version=adapter_version)
+    return SimpleNamespace(adapter=adapter, aio=runner,
+                           client=RolloutClient(rollout, StubReward(), retries=0, retry_delay_s=0)), runner
+
+
+def test_a_group_from_another_adapter_is_regenerated_after_republishing(monkeypatch):
+    published = []
+
+    async def publish(rollout, adapter):
+        published.append(adapter.version)
+    monkeypatch.setattr(loop, "publish_lora", publish)
+
+    first = {"2"}  # group 2 first lands on a replica that came back on the base model
+
+    def restarted_replica(request):
+        version = 0 if request.prompt_id in first else 5
+        first.discard(request.prompt_id)
+        return trajectory(request, version=version)
+
+    rollout = StubRollout(restarted_replica)
+    w, runner = _worker(rollout, adapter_version=5)
+    with runner:
+        groups, regenerated = loop._collect_on_policy(w, requests(3))
+    assert regenerated == 1 and published == [5] and rollout.generate.calls == 4
+    assert [g.trajectory.lora_version for g in groups] == [5, 5, 5]
+    assert [g.trajectory.prompt_id for g in groups] == ["0", "1", "2"]
+
+
+def test_a_group_still_off_policy_after_republishing_stops_the_step(monkeypatch):
+    async def publish(rollout, adapter):
+        pass
+    monkeypatch.setattr(loop, "publish_lora", publish)
+
+    rollout = StubRollout(lambda request: trajectory(request, version=3))
+    w, runner = _worker(rollout, adapter_version=5)
+    with runner, pytest.raises(RuntimeError, match="adapter version 3 after re-publishing version 5"):
+        loop._collect_on_policy(w, requests(2))
