@@ -1,7 +1,6 @@
 """The trainer's Ray metrics reach the node's Prometheus endpoint, which the Ray dashboard's Metrics tab (and any
 Prometheus scraping the cluster) reads."""
 
-import re
 import time
 import urllib.request
 
@@ -21,6 +20,23 @@ def sample(text: str, name: str, run: str) -> float | None:
     return None
 
 
+EXPECTED = {"ray_flowgrpo_images_generated_total": 32.0, "ray_flowgrpo_reward_mean": -2.25,
+            "ray_flowgrpo_adapter_version": 2.0, "ray_flowgrpo_step_seconds_count": 2.0,
+            "ray_flowgrpo_step_seconds_sum": 7.0}
+
+
+def exported(port: int) -> tuple[dict, str]:
+    """This run's samples of the expected metrics, scraped until they match or 90 s pass (the agent exports every
+    few seconds: this waits for the second report, it does not time anything)."""
+    deadline = time.monotonic() + 90
+    while True:
+        text = scrape(port)
+        seen = {name: sample(text, name, "metrics-test") for name in EXPECTED}
+        if seen == EXPECTED or time.monotonic() > deadline:
+            return seen, text
+        time.sleep(2)
+
+
 def test_step_metrics_are_exported_to_prometheus(ray_cluster):
     import ray
 
@@ -35,20 +51,11 @@ def test_step_metrics_are_exported_to_prometheus(ray_cluster):
             self.metrics.record(**values)
 
     worker = Rank0.remote()
-    ray.get(worker.record.remote(images=16, reward_mean=-2.5, adapter_version=1, step_seconds=3.0))
-    ray.get(worker.record.remote(images=16, reward_mean=-2.25, adapter_version=2, step_seconds=4.0))
+    try:
+        ray.get(worker.record.remote(images=16, reward_mean=-2.5, adapter_version=1, step_seconds=3.0))
+        ray.get(worker.record.remote(images=16, reward_mean=-2.25, adapter_version=2, step_seconds=4.0))
+        seen, text = exported(ray.nodes()[0]["MetricsExportPort"])
+    finally:
+        ray.kill(worker)  # the session's cluster outlives this test
+    assert seen == pytest.approx(EXPECTED), [l for l in text.splitlines() if l.startswith("ray_flowgrpo_")]
 
-    port = ray.nodes()[0]["MetricsExportPort"]
-    expected = {"ray_flowgrpo_images_generated_total": 32.0, "ray_flowgrpo_reward_mean": -2.25,
-                "ray_flowgrpo_adapter_version": 2.0, "ray_flowgrpo_step_seconds_count": 2.0,
-                "ray_flowgrpo_step_seconds_sum": 7.0}
-    seen = {}
-    deadline = time.monotonic() + 90  # the agent exports every few seconds: wait for the second report, not a timing
-    while time.monotonic() < deadline:
-        text = scrape(port)
-        seen = {name: sample(text, name, "metrics-test") for name in expected}
-        if seen == expected:
-            break
-        time.sleep(2)
-    assert seen == pytest.approx(expected), [l for l in text.splitlines() if re.match(r"ray_flowgrpo_", l)]
-    ray.kill(worker)
