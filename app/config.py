@@ -15,6 +15,8 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from app.rewards.composite import REWARD_NAMES
+
 MODEL_FAMILIES = ("qwen_image",)
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -66,11 +68,14 @@ class RolloutConfig:
     replica_num_gpus: float = 0.0
     # concurrent requests one replica accepts (vllm-omni batches them internally)
     max_ongoing_requests: int = 4
+    # a group whose generation or reward failed (replica lost, engine error) is asked again this many times
+    request_retries: int = 3
 
 
 @dataclass
 class RewardConfig:
-    # reward name -> weight of the weighted sum ("ocr", "jpeg_compressibility", ...)
+    # reward name -> weight of the weighted sum ("ocr", "jpeg_compressibility"); a YAML file or a
+    # `reward.weights={...}` override replaces the whole mapping (exactly the rewards named are used)
     weights: dict[str, float] = field(default_factory=lambda: {"ocr": 1.0})
     num_replicas: int = 1
     replica_num_cpus: float = 1.0
@@ -106,6 +111,9 @@ class TrainConfig:
     seed: int = 0
     # save a checkpoint (adapter, optimizer, step, RNG, data position) every this many steps (0: only at the end)
     checkpoint_every: int = 50
+    # a training worker that dies (node lost, OOM) restarts the worker group from the latest checkpoint this many
+    # times per run (Ray Train FailureConfig); 0 lets the first failure end the run
+    max_failures: int = 2
 
 
 @dataclass
@@ -121,6 +129,9 @@ class LoggingConfig:
     dir: str = "runs/default"
     log_every: int = 1
     image_every: int = 10
+    # false: the console shows the start-up summary, one line per step and the final summary (errors and real
+    # warnings too); true: also Ray Train's per-report dicts and the INFO logs of Ray, Serve, vllm and vllm-omni
+    verbose: bool = False
 
 
 @dataclass
@@ -170,6 +181,10 @@ def _check_run(c: RunConfig) -> None:
     _require(r.guidance_scale >= 1.0, f"rollout.guidance_scale={r.guidance_scale} must be >= 1 (1 disables CFG)")
     _require(r.num_replicas >= 1, f"rollout.num_replicas={r.num_replicas} must be >= 1")
     _require(bool(c.reward.weights), "reward.weights is empty: name at least one reward, e.g. {ocr: 1.0}")
+    unknown = sorted(set(c.reward.weights) - set(REWARD_NAMES))
+    _require(not unknown, f"reward.weights names unknown rewards {unknown}: known are {list(REWARD_NAMES)}")
+    _require(r.request_retries >= 0, f"rollout.request_retries={r.request_retries} must be >= 0")
+    _require(t.max_failures >= -1, f"train.max_failures={t.max_failures} must be >= 0 (or -1: no limit)")
     _require(t.adv_std_mode in ("group", "batch"), f"train.adv_std_mode={t.adv_std_mode!r} must be 'group' or 'batch'")
     _require(t.old_logprob in ("rollout", "recompute"),
              f"train.old_logprob={t.old_logprob!r} must be 'rollout' or 'recompute'")
@@ -197,17 +212,38 @@ def _format_omegaconf_error(err: OmegaConfBaseException, source: str) -> str:
     return f"{source}: invalid config key '{key}': {msg}"
 
 
-def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """The run config from a YAML file (optional) and `key=value` overrides, validated."""
-    merged: Any = OmegaConf.structured(RunConfig)  # the class, not an instance: no checks before values merge
+# settings whose value is a mapping: a YAML file or an override that sets one replaces it whole (OmegaConf merges
+# mappings key by key, so `{jpeg_compressibility: 1.0}` over the default `{ocr: 1.0}` would train on both);
+# `reward.weights.ocr=0.5` still edits a single entry
+REPLACED_MAPPINGS = ("reward.weights",)
+
+
+def _layers(path, overrides) -> list[tuple[str, Any, list[str]]]:
+    """(source, config layer, mapping settings it replaces) in merge order: the YAML, then each override."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.learning_rate=3e-4)")
-    layers = ([(str(path), lambda: OmegaConf.load(path))] if path is not None else []) + [
-        ("overrides", lambda: OmegaConf.from_dotlist(list(overrides)))]
-    for source, layer in layers:
+    layers = []
+    try:
+        if path is not None:
+            yaml = OmegaConf.load(path)
+            layers.append((str(path), yaml, [k for k in REPLACED_MAPPINGS if OmegaConf.select(yaml, k) is not None]))
+        for item in overrides:
+            key = item.split("=", 1)[0].strip()
+            layers.append(("overrides", OmegaConf.from_dotlist([item]), [key] if key in REPLACED_MAPPINGS else []))
+    except OmegaConfBaseException as err:
+        raise ConfigError(_format_omegaconf_error(err, "overrides" if layers or path is None else str(path))) from None
+    return layers
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The run config from a YAML file (optional) and `key=value` overrides, validated."""
+    merged: Any = OmegaConf.structured(RunConfig)  # the class, not an instance: no checks before values merge
+    for source, layer, replaced in _layers(path, overrides):
         try:
-            merged = OmegaConf.merge(merged, layer())
+            for key in replaced:
+                OmegaConf.update(merged, key, {}, merge=False)
+            merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
             raise ConfigError(_format_omegaconf_error(err, source)) from None
     missing = sorted(OmegaConf.missing_keys(merged))

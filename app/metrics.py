@@ -28,15 +28,17 @@ class RunLog:
         with self.history.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
 
-    def log_images(self, step: int, images: np.ndarray, captions: list[str]) -> Path:
-        """A grid of uint8 [N, H, W, 3] images (one row per prompt group) as a PNG and a tensorboard image."""
-        grid = image_grid(images, rows=len(captions))
+    def log_images(self, step: int, images: np.ndarray, prompts: list[str],
+                   rewards: list[dict[str, list[float]]]) -> Path:
+        """uint8 [N, H, W, 3] images, one row per prompt group, each labelled with its rewards (`rewards[g]`:
+        {"total": [...], component: [...]}), as a PNG and a tensorboard image."""
+        grid = labelled_grid(images, prompts, rewards)
         path = self.dir / "images" / f"step_{step:06d}.png"
         from PIL import Image
 
         Image.fromarray(grid).save(path)
         self.writer.add_image("samples", grid, step, dataformats="HWC")
-        self.writer.add_text("samples/prompts", "\n\n".join(captions), step)
+        self.writer.add_text("samples/prompts", "\n\n".join(prompts), step)
         return path
 
     def close(self) -> None:
@@ -50,6 +52,53 @@ def image_grid(images: np.ndarray, rows: int) -> np.ndarray:
     if rows * cols != n:
         raise ValueError(f"{n} images do not fill {rows} rows")
     return images.reshape(rows, cols, h, w, c).transpose(0, 2, 1, 3, 4).reshape(rows * h, cols * w, c)
+
+
+def labelled_grid(images: np.ndarray, prompts: list[str], rewards: list[dict[str, list[float]]],
+                  min_side: int = 192) -> np.ndarray:
+    """A picture a person reads: one row per prompt group with the prompt above it, every image upscaled (nearest,
+    an integer factor, so pixels stay pixels) to at least `min_side` and labelled with its total reward, and with
+    each component's when there is more than one. images: uint8 [rows·cols, H, W, 3]."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rows = len(prompts)
+    n, h, w, _ = images.shape
+    cols = n // rows
+    if rows * cols != n or len(rewards) != rows:
+        raise ValueError(f"{n} images, {rows} prompts and {len(rewards)} reward rows do not make a grid")
+    scale = max(1, -(-min_side // min(h, w)))  # ceil
+    font = ImageFont.load_default(size=13)
+    line, pad = 16, 6
+    components = [k for k in rewards[0] if k != "total"]
+    label_lines = 1 + (len(components) if len(components) > 1 else 0)
+    cell_w, cell_h = w * scale, h * scale + label_lines * line + pad
+    header = line + pad
+    canvas = Image.new("RGB", (pad + cols * (cell_w + pad), rows * (header + cell_h) + pad), "white")
+    draw = ImageDraw.Draw(canvas)
+    for r, (prompt, scores) in enumerate(zip(prompts, rewards)):
+        top = pad + r * (header + cell_h)
+        draw.text((pad, top), _fit(draw, f"{r + 1}. {prompt}", font, canvas.width - 2 * pad), fill="black",
+                  font=font)
+        for c in range(cols):
+            k, left = r * cols + c, pad + c * (cell_w + pad)
+            image = Image.fromarray(images[k]).resize((cell_w, h * scale), Image.Resampling.NEAREST)
+            canvas.paste(image, (left, top + header))
+            y = top + header + h * scale + 2
+            draw.text((left, y), f"reward {scores['total'][c]:+.3f}", fill="black", font=font)
+            for name in components if len(components) > 1 else []:
+                y += line
+                draw.text((left, y), _fit(draw, f"{name} {scores[name][c]:+.3f}", font, cell_w), fill="dimgray",
+                          font=font)
+    return np.asarray(canvas)
+
+
+def _fit(draw, text: str, font, width: int) -> str:
+    """`text`, cut with an ellipsis to fit `width` pixels."""
+    if draw.textlength(text, font=font) <= width:
+        return text
+    while text and draw.textlength(text + "…", font=font) > width:
+        text = text[:-1]
+    return text + "…"
 
 
 def read_history(run_dir: str | Path) -> list[dict]:

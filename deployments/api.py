@@ -4,7 +4,7 @@
                                    noise_level, sde_type, guidance, negative_prompt, return_trajectory}
     POST /v1/rewards              {images: [base64 PNG/JPEG], prompts: [...]} → {scores, components}
     GET  /v1/health               rollout and reward replicas answer
-    GET  /v1/lora                 adapter version of every rollout replica
+    GET  /v1/lora                 adapter version of every rollout replica, and the published one
 
 Every request is validated here, before a replica sees it: a bad one gets a 4xx JSON error that says what to
 change (`{"error": {"message", "type", "param"}}`), and the replicas keep serving. The class is wrapped with
@@ -145,8 +145,8 @@ def _decode_image(data: str, index: int, max_bytes: int) -> np.ndarray:
 
 class ApiIngress:
     def __init__(self, rollout, reward, limits: ApiLimits | None = None,
-                 defaults: GenerationDefaults | None = None):
-        self.rollout, self.reward = rollout, reward  # DeploymentHandles
+                 defaults: GenerationDefaults | None = None, adapters=None):
+        self.rollout, self.reward, self.adapters = rollout, reward, adapters  # DeploymentHandles
         self.limits = limits or ApiLimits()
         self.defaults = defaults or GenerationDefaults()
 
@@ -212,4 +212,6 @@ class ApiIngress:
     @app.get("/v1/lora")
     async def lora(self) -> dict:
         versions = await self.rollout.broadcast("lora_version").results_async()
-        return {"replicas": versions, "versions": sorted({v["lora_version"] for v in versions})}
+        published = (await self.adapters.current.remote())[0] if self.adapters is not None else None
+        return {"replicas": versions, "versions": sorted({v["lora_version"] for v in versions}),
+                "published": published}

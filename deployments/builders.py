@@ -1,8 +1,9 @@
 """Typed Serve app builders: `serve run serve_config.yaml` names `deployments.builders:build_app` with `args:`;
 the trainer builds the same application from its run config (`app_args_from_config`).
 
-One application, three deployments behind Serve's load balancer: `Rollout` (the engine replicas), `Reward`
-(the composite reward, `@serve.batch`ed), `Api` (the HTTP ingress). Resources per replica come from the args.
+One application, four deployments behind Serve's load balancer: `Rollout` (the engine replicas), `Reward`
+(the composite reward, `@serve.batch`ed), `Adapters` (the published LoRA, where every rollout replica finds it;
+`adapters.py`), `Api` (the HTTP ingress). Resources per replica come from the args.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pydantic import BaseModel, Field
 from ray import serve
 from ray.serve import Application
 
+from app.console import replica_env
+from deployments.adapters import AdapterStore
 from deployments.api import ApiIngress, ApiLimits, GenerationDefaults, app as fastapi_app
 from deployments.reward import RewardScorer
 from deployments.rollout import RolloutReplica
@@ -57,8 +60,8 @@ class _ServedRollout(RolloutReplica):
 
 
 class _ServedReward(RewardScorer):
-    def __init__(self, weights: dict[str, float], max_batch_size: int, torch_threads: int):
-        super().__init__(weights, torch_threads=torch_threads)
+    def __init__(self, weights: dict[str, float], max_batch_size: int, torch_threads: int, log_level: str):
+        super().__init__(weights, torch_threads=torch_threads, log_level=log_level)
         self._score_one.set_max_batch_size(max_batch_size)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
@@ -76,24 +79,27 @@ def build_app(args: FlowGRPOAppArgs) -> Application:
         from app.models.tiny import build_tiny_qwen_image
 
         build_tiny_qwen_image(args.model_path)  # here, once, before any replica starts
-    env = {"env_vars": {**_SINGLE_THREAD_ENV, "VLLM_LOGGING_LEVEL": args.log_level}}
+    env = {"env_vars": {**_SINGLE_THREAD_ENV, **replica_env(args.log_level)}}
     logging_config = {"log_level": args.log_level, "enable_access_log": args.log_level in ("DEBUG", "INFO")}
+    # one replica, no resources to speak of; many small concurrent reads when replicas start or resync
+    adapters = serve.deployment(AdapterStore, name="Adapters", num_replicas=1, max_ongoing_requests=64,
+                                logging_config=logging_config, ray_actor_options={"num_cpus": 0}).bind()
     rollout = serve.deployment(
         _ServedRollout, name="Rollout", num_replicas=args.rollout_replicas,
         max_ongoing_requests=args.rollout_max_ongoing_requests, health_check_period_s=30,
         health_check_timeout_s=60, logging_config=logging_config,
         ray_actor_options={"num_cpus": args.rollout_num_cpus, "num_gpus": args.rollout_num_gpus,
                            "runtime_env": env},
-    ).bind(args.model_path, engine=args.engine, dtype=args.dtype, batched_groups=args.batched_groups,
+    ).bind(args.model_path, adapters=adapters, engine=args.engine, dtype=args.dtype, batched_groups=args.batched_groups,
            max_num_seqs=args.max_num_seqs, torch_threads=args.torch_threads)
     reward = serve.deployment(
         _ServedReward, name="Reward", num_replicas=args.reward_replicas,
         max_ongoing_requests=4 * args.reward_max_batch_size, logging_config=logging_config,
         ray_actor_options={"num_cpus": args.reward_num_cpus, "runtime_env": env},
-    ).bind(args.reward_weights, args.reward_max_batch_size, args.torch_threads)
+    ).bind(args.reward_weights, args.reward_max_batch_size, args.torch_threads, args.log_level)
     ingress = serve.deployment(serve.ingress(fastapi_app)(ApiIngress), name="Api", logging_config=logging_config,
                                ray_actor_options={"num_cpus": args.api_num_cpus})
-    return ingress.bind(rollout, reward, args.limits, args.defaults)
+    return ingress.bind(rollout, reward, args.limits, args.defaults, adapters)
 
 
 def app_args_from_config(config, *, log_level: str = "INFO") -> FlowGRPOAppArgs:

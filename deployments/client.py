@@ -6,7 +6,7 @@ from deployments.builders import APP_NAME
 
 
 def handles(app_name: str = APP_NAME):
-    """(Rollout, Reward) DeploymentHandles of a running application."""
+    """(Rollout, Reward, Adapters) DeploymentHandles of a running application."""
     from ray import serve
 
-    return (serve.get_deployment_handle("Rollout", app_name), serve.get_deployment_handle("Reward", app_name))
+    return tuple(serve.get_deployment_handle(name, app_name) for name in ("Rollout", "Reward", "Adapters"))

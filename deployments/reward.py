@@ -4,17 +4,19 @@ are gathered into one call with `@serve.batch` (applied in builders.py through `
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from app.rewards import RewardScores, build_reward
 
 
 class RewardScorer:
-    def __init__(self, weights: dict[str, float], *, torch_threads: int | None = 1):
+    def __init__(self, weights: dict[str, float], *, torch_threads: int | None = 1, log_level: str = "INFO"):
         if torch_threads:
             import torch
 
             torch.set_num_threads(torch_threads)
         self.reward = build_reward(weights)
+        logging.getLogger("RapidOCR").setLevel(log_level)  # its own handler, INFO by default
         self.scored = 0
 
     def _score_many(self, batches: list[tuple]) -> list[RewardScores]:

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 
+from app.faults import crash_point
 from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
 
 ENGINES = ("vllm_omni", "diffusers")
@@ -33,32 +35,60 @@ def _replica_id() -> str:
         return f"{socket.gethostname()}:{os.getpid()}"
 
 
+class AdapterUnavailable(RuntimeError):
+    """A request asked for an adapter version that neither this replica nor the adapter store has (retryable:
+    the trainer re-publishes)."""
+
+
 class RolloutReplica:
-    def __init__(self, model_path: str, *, engine: str = "vllm_omni", dtype: str = "float32",
+    def __init__(self, model_path: str, *, adapters=None, engine: str = "vllm_omni", dtype: str = "float32",
                  batched_groups: bool = True, max_num_seqs: int = 1, torch_threads: int | None = None):
+        """adapters: handle of the `AdapterStore` deployment (None outside Serve: adapters only by `load_lora`)."""
         if torch_threads:
             import torch
 
             torch.set_num_threads(torch_threads)
         self.engine = make_engine(engine, model_path, dtype=dtype, batched_groups=batched_groups,
                                   max_num_seqs=max_num_seqs)
+        self.adapters = adapters
+        self._adapter_lock = asyncio.Lock()  # a reset and the load that follows it happen together
         self.replica_id = _replica_id()
 
     async def start(self) -> None:
         await self.engine.start()
+        await self.sync_adapter()  # a replica started in place of a dead one serves the published adapter at once
 
     async def generate(self, request: GenerationRequest) -> Trajectory:
+        wanted = request.lora_version
+        if wanted is not None and wanted != self.engine.lora_version:
+            await self.sync_adapter()
+            if wanted != self.engine.lora_version:
+                raise AdapterUnavailable(f"the group asks for adapter version {wanted}; replica {self.replica_id} "
+                                         f"serves {self.engine.lora_version}, the same as the adapter store")
         traj = await self.engine.generate(request)
         traj.producer["replica"] = self.replica_id
         return traj
 
+    async def sync_adapter(self) -> int:
+        """Serve the adapter store's adapter if it differs from the one served; returns the version served."""
+        if self.adapters is not None:
+            version, refs = await self.adapters.current.remote()
+            if version != self.engine.lora_version:
+                await self.load_lora(refs or None)
+        return self.engine.lora_version
+
     async def load_lora(self, adapter: LoraAdapter | list | None) -> int:
-        """Serve a new adapter. `adapter` may be wrapped as `[ObjectRef]` (a broadcast puts it in the object store
-        once; wrapping keeps Ray from resolving it before this method decides to)."""
+        """Serve a new adapter (None: the base model). `adapter` may be wrapped as `[ObjectRef]` (published once
+        to the object store; wrapping keeps Ray from resolving it before this method decides to)."""
         if isinstance(adapter, list):
             (ref,) = adapter
             adapter = await ref
-        return await self.engine.load_lora(adapter)
+        version = adapter.version if adapter is not None else 0
+        crash_point("rollout.load_lora", version)  # tests only: a replica dying mid-publish
+        async with self._adapter_lock:
+            if 0 < version < self.engine.lora_version:  # a restarted run publishes an earlier version again
+                await self.engine.load_lora(None)
+            return await self.engine.load_lora(adapter)
 
     async def lora_version(self) -> dict:
         return {"replica": self.replica_id, "lora_version": self.engine.lora_version}

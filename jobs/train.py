@@ -62,44 +62,60 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
 
 
 def start_ray(config: RunConfig):
-    import ray
+    from app import console
 
+    verbose = config.logging.verbose
+    console.set_driver_env(verbose)  # read when ray is imported
+    import ray
+    import ray.serve  # noqa: F401  (configures Serve's logger when imported: quiet it after)
+
+    console.quiet_this_process(verbose)
     # workers started by a local cluster inherit this environment; an existing cluster keeps its own
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return ray.init(address=config.cluster.address, log_to_driver=True)
+    context = ray.init(address=config.cluster.address, log_to_driver=True,
+                       logging_level=console.log_level(verbose))
+    console.quiet_this_process(verbose)  # ray.init set up its own handlers
+    return context
 
 
 def deploy_serve_app(config: RunConfig):
     from ray import serve
 
+    from app.console import log_level
     from deployments.builders import APP_NAME, app_args_from_config, build_app
     from deployments.client import handles
 
-    serve.start(http_options={"host": "127.0.0.1", "port": config.cluster.serve_port})
-    print(f"deploying the rollout/reward application ({config.rollout.num_replicas} rollout replicas)...",
-          flush=True)
-    serve.run(build_app(app_args_from_config(config, log_level="WARNING")), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+    level = log_level(config.logging.verbose)
+    serve.start(http_options={"host": "127.0.0.1", "port": config.cluster.serve_port},
+                logging_config={"log_level": level})  # the controller and proxy
+    print(f"deploying the rollout/reward application ({config.rollout.num_replicas} rollout replicas, "
+          f"{config.reward.num_replicas} reward replicas)...", flush=True)
+    serve.run(build_app(app_args_from_config(config, log_level=level)), name=APP_NAME, route_prefix=f"/{APP_NAME}")
     return handles(APP_NAME)
 
 
-def fit(config: RunConfig, run_dir: Path, rollout, reward):
+def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters):
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from app.console import log_level
     from app.train.loop import train_loop_per_worker
 
     cl = config.cluster
     resources = {"CPU": cl.worker_num_cpus, **({"GPU": 1} if cl.use_gpu else {})}
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": config, "run_dir": str(run_dir), "rollout": rollout, "reward": reward},
+        train_loop_config={"config": config, "run_dir": str(run_dir), "rollout": rollout, "reward": reward,
+                           "adapters": adapters},
         scaling_config=ray.train.ScalingConfig(num_workers=cl.num_workers, use_gpu=cl.use_gpu,
                                                resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if cl.use_gpu else "gloo"),
+        # a dead worker restarts the whole worker group from the latest checkpoint (`train.max_failures` times)
         run_config=ray.train.RunConfig(name=CHECKPOINTS, storage_path=str(run_dir),
                                        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
-                                       failure_config=ray.train.FailureConfig(max_failures=0)),
+                                       failure_config=ray.train.FailureConfig(max_failures=config.train.max_failures),
+                                       logging_config=ray.train.LoggingConfig(log_level=log_level(config.logging.verbose))),
     )
     return trainer.fit()
 
@@ -143,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     from deployments.builders import APP_NAME
 
     try:
-        rollout, reward = deploy_serve_app(config)
-        result = fit(config, run_dir, rollout, reward)
+        result = fit(config, run_dir, *deploy_serve_app(config))
     finally:
         if not args.keep_serving:
             serve.delete(APP_NAME)

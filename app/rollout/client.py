@@ -1,5 +1,6 @@
 """What the trainer uses to talk to the rollout and reward deployments: groups in, scored groups out (rewards
-computed while other groups are still generating), and LoRA publication to every rollout replica.
+computed while other groups are still generating; failed groups retried), and LoRA publication to every rollout
+replica through the adapter store (`deployments/adapters.py`).
 
 It takes Serve `DeploymentHandle`s (from `deployments.client.handles`) and imports nothing of Serve itself.
 """
@@ -8,16 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import ray
+from ray.exceptions import RayActorError
 
 from app.rewards import RewardScores
 from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
 
 logger = logging.getLogger(__name__)
+
+
+class GroupFailed(RuntimeError):
+    """A prompt group that could not be generated or scored after every retry; the message names the group."""
+
+
+class InvalidReward(RuntimeError):
+    """The reward deployment answered, but not with one finite score per image."""
 
 
 @dataclass
@@ -27,35 +37,71 @@ class ScoredGroup:
     rewards: RewardScores
     generated_at: float  # perf_counter when the group arrived
     scored_at: float
+    retries: int = 0  # failed attempts (generation or reward) before this one succeeded
+
+
+@dataclass
+class Publication:
+    version: int
+    acknowledged: int  # live replicas that now serve it
+    lost: int  # replicas that died before answering (Serve replaces them; they load it from the store)
+
+
+def checked_scores(scores, n: int) -> RewardScores:
+    """`scores` if it holds one finite total (and one value per component) for each of the n images."""
+    if not isinstance(scores, RewardScores):
+        raise InvalidReward(f"the reward returned {type(scores).__name__}, not RewardScores")
+    lengths = {"total": len(scores.total), **{name: len(v) for name, v in scores.components.items()}}
+    if any(length != n for length in lengths.values()):
+        raise InvalidReward(f"the reward returned {lengths} scores for {n} images")
+    values = [*scores.total, *(x for v in scores.components.values() for x in v)]
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in values):
+        raise InvalidReward("the reward returned a score that is not a finite number")
+    return scores
+
+
+def _describe(request: GenerationRequest) -> str:
+    return f"group {request.prompt_id} ({request.prompt!r})"
 
 
 class RolloutClient:
-    def __init__(self, rollout, reward, *, retries: int = 2, retry_delay_s: float = 2.0):
-        self.rollout, self.reward = rollout, reward  # DeploymentHandles
-        # a group whose replica died mid-request is asked again (Serve routes it to a live or restarted replica);
-        # a rejected request (ValueError: bad input) is not retried
+    def __init__(self, rollout, reward, adapters=None, *, retries: int = 3, retry_delay_s: float = 2.0):
+        self.rollout, self.reward, self.adapters = rollout, reward, adapters  # DeploymentHandles
+        # a group whose replica died mid-request, or whose reward failed, is asked again (Serve routes it to a live
+        # or restarted replica); a rejected generation request (ValueError: bad input) is not retried
         self.retries, self.retry_delay_s = retries, retry_delay_s
 
-    async def _score(self, index: int, traj: Trajectory) -> ScoredGroup:
+    async def _attempts(self, what: str, request: GenerationRequest, call, *, retry_value_errors: bool):
+        """(result, failed attempts) of `call()`, retried up to `self.retries` times."""
+        for attempt in range(self.retries + 1):
+            try:
+                return await call(), attempt
+            except Exception as err:  # replica lost, engine or reward error: worth another try elsewhere
+                if isinstance(err, ValueError) and not retry_value_errors:
+                    raise
+                if attempt == self.retries:
+                    raise GroupFailed(f"{_describe(request)}: {what} failed {attempt + 1} times; last error: "
+                                      f"{type(err).__name__}: {err}") from err
+                logger.warning("%s: %s failed (%s: %s); retrying", _describe(request), what, type(err).__name__,
+                               (str(err).splitlines() or [""])[0])
+            await asyncio.sleep(self.retry_delay_s)
+
+    async def _one(self, index: int, request: GenerationRequest) -> ScoredGroup:
+        traj, failed_generations = await self._attempts("generation", request,
+                                                        lambda: self.rollout.generate.remote(request),
+                                                        retry_value_errors=False)
         arrived = time.perf_counter()
-        scores = await self.reward.score.remote(traj.images, [traj.prompt] * traj.group_size)
-        return ScoredGroup(index, traj, scores, arrived, time.perf_counter())
+
+        async def score() -> RewardScores:
+            scores = await self.reward.score.remote(traj.images, [traj.prompt] * traj.group_size)
+            return checked_scores(scores, traj.group_size)
+
+        scores, failed_scorings = await self._attempts("reward", request, score, retry_value_errors=True)
+        return ScoredGroup(index, traj, scores, arrived, time.perf_counter(), failed_generations + failed_scorings)
 
     async def stream(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[ScoredGroup]:
         """Scored groups in the order they finish; each is sent to the reward as soon as it is generated."""
-        async def one(i: int, request: GenerationRequest) -> ScoredGroup:
-            for attempt in range(self.retries + 1):
-                try:
-                    return await self._score(i, await self.rollout.generate.remote(request))
-                except ValueError:
-                    raise
-                except Exception as err:  # replica lost, engine error: worth another try elsewhere
-                    if attempt == self.retries:
-                        raise
-                    logger.warning("group %s failed (%s: %s); retrying", request.prompt_id, type(err).__name__, err)
-                    await asyncio.sleep(self.retry_delay_s)
-
-        for next_done in asyncio.as_completed([one(i, r) for i, r in enumerate(requests)]):
+        for next_done in asyncio.as_completed([self._one(i, r) for i, r in enumerate(requests)]):
             yield await next_done
 
     async def collect(self, requests: Sequence[GenerationRequest], *, streamed: bool = True) -> list[ScoredGroup]:
@@ -64,17 +110,37 @@ class RolloutClient:
             groups = [g async for g in self.stream(requests)]
         else:
             trajs = await asyncio.gather(*[self.rollout.generate.remote(r) for r in requests])
-            groups = await asyncio.gather(*[self._score(i, t) for i, t in enumerate(trajs)])
+            arrived = time.perf_counter()
+            scores = await asyncio.gather(*[self.reward.score.remote(t.images, [t.prompt] * t.group_size)
+                                            for t in trajs])
+            groups = [ScoredGroup(i, t, checked_scores(s, t.group_size), arrived, time.perf_counter())
+                      for i, (t, s) in enumerate(zip(trajs, scores))]
         return sorted(groups, key=lambda g: g.index)
 
+    async def publish(self, adapter: LoraAdapter | None) -> Publication:
+        return await publish_lora(self.rollout, self.adapters, adapter)
 
-async def publish_lora(rollout, adapter: LoraAdapter | None) -> list[int]:
-    """Put the adapter in the object store once and load it on every live rollout replica (None: every replica
-    goes back to the base model, version 0); returns when all replicas acknowledged the version (raises if one
-    did not). Re-publishing the version a replica already serves is a no-op there."""
-    version = adapter.version if adapter is not None else 0
-    ref = ray.put(adapter)  # this process owns the object: it stays alive until the broadcast returns
-    versions = await rollout.broadcast("load_lora", [ref]).results_async()
-    if not versions or any(v != version for v in versions):
-        raise RuntimeError(f"replicas answered {versions} to publishing version {version}")
-    return versions
+
+async def publish_lora(rollout, adapters, adapter: LoraAdapter | None) -> Publication:
+    """Make `adapter` the one every rollout replica serves (None: the base model, version 0).
+
+    The adapter store keeps it first (it puts the adapter in the object store once and owns it), so a replica
+    that starts later finds it; then every live replica loads it. A replica that dies before answering is
+    counted, not fatal: Serve replaces it and the replacement loads the stored adapter before serving. Any
+    other failure (a replica that answered with an error or another version) raises."""
+    version, refs = await adapters.publish.remote(adapter)
+    if version != (adapter.version if adapter is not None else 0):
+        raise RuntimeError(f"the adapter store answered version {version} to publishing {adapter and adapter.version}")
+    answers = await rollout.broadcast("load_lora", refs or None).results_async(return_exceptions=True)
+    lost = [a for a in answers if isinstance(a, RayActorError)]
+    errors = [a for a in answers if isinstance(a, BaseException) and not isinstance(a, RayActorError)]
+    if errors:
+        raise errors[0]
+    acknowledged = [a for a in answers if not isinstance(a, BaseException)]
+    if any(a != version for a in acknowledged):
+        raise RuntimeError(f"replicas answered {acknowledged} to publishing version {version}")
+    if lost:
+        logger.warning("adapter version %d: %d rollout replica(s) died before loading it (%s); Serve replaces "
+                       "them and the replacements load it from the adapter store", version, len(lost),
+                       type(lost[0]).__name__)
+    return Publication(version, len(acknowledged), len(lost))

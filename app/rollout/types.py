@@ -45,6 +45,9 @@ class GenerationRequest:
     # index of the group's first image: a per-sample request for image j of a group sets n=1, sample_offset=j
     sample_offset: int = 0
     prompt_id: str | None = None
+    # the adapter version the group must be sampled with (a replica serving another one loads the published
+    # adapter first, or refuses); None: whatever the replica serves
+    lora_version: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str) or not self.prompt.strip():
@@ -72,6 +75,9 @@ class GenerationRequest:
             _fail("seed", self.seed, f"must be an integer in [0, {MAX_SEED}] or None")
         if not isinstance(self.sample_offset, int) or self.sample_offset < 0:
             _fail("sample_offset", self.sample_offset, "must be an integer >= 0")
+        if self.lora_version is not None and (not isinstance(self.lora_version, int)
+                                              or isinstance(self.lora_version, bool) or self.lora_version < 0):
+            _fail("lora_version", self.lora_version, "must be an integer >= 0 (0: the base model) or None")
 
     @property
     def do_cfg(self) -> bool:

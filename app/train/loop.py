@@ -34,7 +34,8 @@ from app import metrics as run_metrics
 from app.algo.advantages import group_advantages
 from app.algo.loss import flow_grpo_loss, transition_kl
 from app.config import RunConfig
-from app.rollout.client import RolloutClient, ScoredGroup, publish_lora
+from app.console import quiet_this_process
+from app.rollout.client import RolloutClient, ScoredGroup
 from app.rollout.types import GenerationRequest, LoraAdapter
 from app.train import checkpoint
 from app.train.policy import Policy
@@ -62,10 +63,12 @@ class Worker:
 
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point. loop_config: {"config": RunConfig, "run_dir": absolute path of the run folder,
-    "rollout", "reward": DeploymentHandles of the application serving the rollouts and rewards}."""
+    "rollout", "reward", "adapters": DeploymentHandles of the application serving the rollouts and rewards}."""
     with asyncio.Runner() as aio:
-        client = RolloutClient(loop_config["rollout"], loop_config["reward"])
-        worker = _setup(loop_config["config"], Path(loop_config["run_dir"]), client, aio)
+        config = loop_config["config"]
+        client = RolloutClient(loop_config["rollout"], loop_config["reward"], loop_config["adapters"],
+                               retries=config.rollout.request_retries)
+        worker = _setup(config, Path(loop_config["run_dir"]), client, aio)
         cfg = worker.config.train
         try:
             for step in range(worker.state.step, cfg.num_steps):
@@ -82,7 +85,7 @@ def train_step(w: Worker, step: int) -> dict[str, float]:
 
     # 1. prompts: groups step*G .. step*G+G-1, dealt round-robin to the workers
     mine = step_prompts(w.prompts, step, t.groups_per_step, seed=t.seed, shuffle=cfg.data.shuffle)[w.rank::w.world]
-    requests = [rollout_request(cfg, prompt, g) for g, prompt in mine]
+    requests = [rollout_request(cfg, prompt, g, lora_version=w.state.adapter_version) for g, prompt in mine]
 
     # 2. rollouts, rewards streamed in as groups finish, all from the adapter the replicas were given last
     groups, regenerated = _collect_on_policy(w, requests)
@@ -135,8 +138,9 @@ def train_step(w: Worker, step: int) -> dict[str, float]:
     # 6. publish: the replicas serve the new adapter before any worker asks for the next step's rollouts
     publish_started = time.perf_counter()
     w.adapter = w.policy.export_adapter(version=step + 1)  # gathers the LoRA only (a collective)
+    lost_replicas = 0
     if w.rank == 0:
-        w.aio.run(publish_lora(w.client.rollout, w.adapter))
+        lost_replicas = w.aio.run(w.client.publish(w.adapter)).lost
     dist.barrier()
     w.state = checkpoint.TrainerState(step=step + 1, adapter_version=w.adapter.version,
                                       data_position=(step + 1) * t.groups_per_step, seed=t.seed)
@@ -144,7 +148,9 @@ def train_step(w: Worker, step: int) -> dict[str, float]:
     # 7. metrics, averaged (or max/min) over workers
     local = {**stats.result(), **mismatch.result(),
              "rollout/staleness_max": float(staleness),
-             "rollout/regenerated_groups": float(regenerated)}
+             "rollout/regenerated_groups": float(regenerated),
+             "rollout/retries_max": float(sum(s.retries for s in groups)),  # failed attempts seen by one worker
+             "rollout/publish_lost_replicas_max": float(lost_replicas)}
     out = {**_reduce_over_workers(local, w.world), **_reward_metrics(rewards), **adv_metrics,
            "actor/grad_norm": grad_norm, "actor/lr": w.optimizer.param_groups[0]["lr"],
            "rollout/adapter_version": float(w.adapter.version), "rollout/images": float(total.numel()),
@@ -153,17 +159,18 @@ def train_step(w: Worker, step: int) -> dict[str, float]:
            "timing/step_s": time.perf_counter() - started}
     if w.rank == 0 and _log_images_now(cfg, step):
         images = np.concatenate([s.trajectory.images.numpy() for s in groups])
-        w.log.log_images(step + 1, images, [s.trajectory.prompt for s in groups])
+        w.log.log_images(step + 1, images, [s.trajectory.prompt for s in groups],
+                         [{"total": s.rewards.total, **s.rewards.components} for s in groups])
     return out
 
 
-def rollout_request(cfg: RunConfig, prompt: str, group: int) -> GenerationRequest:
+def rollout_request(cfg: RunConfig, prompt: str, group: int, lora_version: int | None = None) -> GenerationRequest:
     r = cfg.rollout
     return GenerationRequest(
         prompt=prompt, n=r.group_size, height=r.height, width=r.width, num_steps=r.num_steps,
         guidance_scale=r.guidance_scale, negative_prompt=r.negative_prompt if r.guidance_scale > 1 else None,
         noise_level=r.noise_level, sde_type=r.sde_type, seed=group_seed(cfg.train.seed, group),
-        prompt_id=str(group))
+        prompt_id=str(group), lora_version=lora_version)
 
 
 def trained_steps(num_steps: int, fraction: float, *, seed: int, step: int, group: int, epoch: int) -> list[int]:
@@ -207,13 +214,14 @@ def _recompute_log_probs(w: Worker, groups: list[ScoredGroup], mismatch: Stats) 
 
 
 def _collect_on_policy(w: Worker, requests: list[GenerationRequest]) -> tuple[list[ScoredGroup], int]:
-    """The scored groups, every one sampled with the adapter the replicas were last given. A group from another
-    version (a replica restarted by Serve comes back on the base model) is regenerated after re-publishing."""
+    """The scored groups, every one sampled with the adapter the replicas were last given. Each request names that
+    version and a replica serving another loads it from the adapter store first; should a group still come from
+    another version (the store itself was restarted), it is regenerated after re-publishing."""
     expected = w.adapter.version if w.adapter is not None else 0
     groups = w.aio.run(w.client.collect(requests))
     stale = [k for k, s in enumerate(groups) if s.trajectory.lora_version != expected]
     if stale:
-        w.aio.run(publish_lora(w.client.rollout, w.adapter))  # a no-op on replicas already serving it
+        w.aio.run(w.client.publish(w.adapter))  # a no-op on replicas already serving it
         again = w.aio.run(w.client.collect([requests[k] for k in stale]))
         for k, s in zip(stale, again):
             if s.trajectory.lora_version != expected:
@@ -326,6 +334,7 @@ class Progress:
 
 
 def _setup(config: RunConfig, run_dir: Path, client: RolloutClient, aio: asyncio.Runner) -> Worker:
+    quiet_this_process(config.logging.verbose)  # e.g. Serve's INFO line when this worker's handles connect
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(config.cluster.worker_num_cpus)))
@@ -353,10 +362,13 @@ def _setup(config: RunConfig, run_dir: Path, client: RolloutClient, aio: asyncio
                     client=client, aio=aio, prompts=load_prompts(config.data.prompts),
                     state=state, adapter=adapter)
     if rank == 0:
-        # the replicas serve exactly this run's policy: the base model, or the resumed adapter
-        aio.run(publish_lora(worker.client.rollout, None))
+        # the replicas serve exactly this run's policy: the base model, or the resumed adapter (reset first: a
+        # replica may serve an adapter of the same version number from an earlier run, or from before a restart)
+        aio.run(worker.client.publish(None))
         if adapter is not None:
-            aio.run(publish_lora(worker.client.rollout, adapter))
+            aio.run(worker.client.publish(adapter))
+        if restored is not None:
+            print(f"[flowgrpo] continuing from the checkpoint of step {state.step}", file=sys.__stdout__, flush=True)
         worker.log = run_metrics.RunLog(run_dir)
         worker.ray_metrics = run_metrics.RayMetrics(run_dir.name)
         worker.progress = Progress(first=state.step, total=t.num_steps)

@@ -1,0 +1,31 @@
+"""Crash injection for the fault-tolerance tests: a process that reaches a named point dies on the spot, as a
+killed or preempted one would (`os._exit`: no exception, no cleanup, Ray sees the actor die).
+
+    RAY_FLOWGRPO_CRASH="rollout.load_lora=3@/tmp/run/crash-marker"
+
+makes the first process that loads adapter version 3 die. The marker file is created atomically by the process
+that crashes, so exactly one process crashes once per marker, whichever replica gets there first. Points that
+exist: `rollout.load_lora` (key: the adapter version being published). Most kills in the tests come from outside
+(SIGKILL of a replica or worker at a step); this exists for windows too short to hit from outside, such as the
+LoRA publish. Unset (always, outside tests): nothing happens.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "RAY_FLOWGRPO_CRASH"
+
+
+def crash_point(point: str, key: int | str) -> None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    target, _, marker = spec.partition("@")
+    if target != f"{point}={key}" or not marker:
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:  # another process crashed here already
+        return
+    os._exit(1)

@@ -1,0 +1,33 @@
+"""The adapter store: the one LoRA every rollout replica must serve, kept where a replica can always find it.
+
+Publishing an adapter (`app.rollout.client.publish_lora`) writes it here first, then tells the live replicas to
+load it (a Serve broadcast). The store `ray.put`s the adapter itself, so the object is owned by this long-lived
+replica, not by the training worker that made it: a worker that dies and restarts takes nothing the rollout
+needs with it. A rollout replica reads the store when it starts (Serve replacing one that died serves the current
+adapter before its first request), and again whenever a request asks for a version it does not serve. If this
+replica itself is restarted it comes back empty (the base model); the next publish refills it, and the trainer
+regenerates any group that came from another version.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from app.rollout.types import LoraAdapter
+
+
+class AdapterStore:
+    def __init__(self):
+        self.version = 0  # 0: the base model
+        self._ref = None  # ObjectRef of the LoraAdapter, owned by this replica
+
+    async def publish(self, adapter: LoraAdapter | None) -> tuple[int, list]:
+        """Keep `adapter` (None: back to the base model); returns what `current` returns."""
+        self._ref = ray.put(adapter) if adapter is not None else None
+        self.version = adapter.version if adapter is not None else 0
+        return await self.current()
+
+    async def current(self) -> tuple[int, list]:
+        """(version, [ObjectRef of the adapter]) or (0, []). The ref travels wrapped in a list so that Ray hands it
+        over as a reference: each replica fetches the object from the object store, not from this replica."""
+        return self.version, ([self._ref] if self._ref is not None else [])
