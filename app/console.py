@@ -19,7 +19,7 @@ KNOWN_HARMLESS = [
     (r"^Reporting training result \d+: ", "Ray Train's per-report metrics dict: the progress line has the numbers"),
     (r"^Checkpoint successfully created at", "the final summary names the checkpoint"),
     (r"Multi-thread loading shards", "vllm's weight-loading bar (it ignores TQDM_DISABLE)"),
-    (r"^\s*$", "the empty line a closed progress bar leaves"),
+    (r"^(\(\w+ pid=\d+\) )?\s*$", "the empty line a closed progress bar leaves"),
     # warnings
     (r"Token authentication is enabled for this Ray cluster", "Ray 2.60's default for a cluster it starts"),
     (r"Generated new authentication token", "the same, on first use"),

@@ -211,7 +211,8 @@ class ApiIngress:
 
     @app.get("/v1/lora")
     async def lora(self) -> dict:
-        versions = await self.rollout.broadcast("lora_version").results_async()
+        answers = await self.rollout.broadcast("lora_version").results_async(return_exceptions=True)
+        versions = [a for a in answers if not isinstance(a, BaseException)]  # a replica that just died: left out
         published = (await self.adapters.current.remote())[0] if self.adapters is not None else None
         return {"replicas": versions, "versions": sorted({v["lora_version"] for v in versions}),
                 "published": published}

@@ -65,6 +65,7 @@ class RolloutReplica:
             if wanted != self.engine.lora_version:
                 raise AdapterUnavailable(f"the group asks for adapter version {wanted}; replica {self.replica_id} "
                                          f"serves {self.engine.lora_version}, the same as the adapter store")
+        crash_point("rollout.generate", request.prompt_id)  # tests only: a replica dying mid-generation
         traj = await self.engine.generate(request)
         traj.producer["replica"] = self.replica_id
         return traj

@@ -120,6 +120,24 @@ def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters):
     return trainer.fit()
 
 
+def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None, *, resume: bool) -> str:
+    """What is about to run, in a few lines (the console's first lines)."""
+    m, r, t, cl = config.model, config.rollout, config.train, config.cluster
+    rewards = " + ".join(f"{w:g}·{name}" for name, w in config.reward.weights.items())
+    return "\n".join([
+        f"ray-flowgrpo: FlowGRPO LoRA training of {m.path}{' (tiny, built locally)' if m.build_tiny else ''}",
+        f"  run folder:  {run_dir}{' (resuming)' if resume else ''}",
+        f"  cluster:     {cl.address or 'local Ray cluster'}"
+        + (f", dashboard http://{dashboard_url}" if dashboard_url else ""),
+        f"  rollout:     {r.num_replicas} vllm-omni replicas; groups of {r.group_size}, {r.width}x{r.height}, "
+        f"{r.num_steps} steps, noise level {r.noise_level:g}",
+        f"  reward:      {rewards} ({config.reward.num_replicas} replicas)",
+        f"  training:    {cl.num_workers} FSDP2 workers ({'GPU, nccl' if cl.use_gpu else 'CPU, gloo'}); {t.num_steps} "
+        f"steps of {t.groups_per_step} groups; LoRA rank {m.lora_rank}, lr {t.learning_rate:g}; a checkpoint every "
+        f"{t.checkpoint_every or t.num_steps} steps; up to {t.max_failures} worker-group restarts",
+    ])
+
+
 def summarize(run_dir: Path, result, dashboard_url: str | None) -> None:
     from app.metrics import plot_reward_curve, read_history
 
@@ -154,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     context = start_ray(config)
+    print(startup_summary(config, run_dir, getattr(context, "dashboard_url", None), resume=args.resume), flush=True)
     from ray import serve
 
     from deployments.builders import APP_NAME

@@ -99,3 +99,16 @@ def ray_cluster(tmp_path_factory):
     finally:
         ray.shutdown()
 
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """The tiny config as shipped (24 steps, 2 rollout replicas, OCR + JPEG reward, 2 FSDP2 workers), run once by
+    `python -m jobs.train`: the uninterrupted run that the job, resume and fault-tolerance tests compare with."""
+    from job_runs import run_job
+
+    run_dir = tmp_path_factory.mktemp("tiny") / "run"
+    done = run_job(f"logging.dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "reward curve:" in done.stdout and "LoRA adapter:" in done.stdout
+    return run_dir

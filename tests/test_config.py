@@ -76,3 +76,33 @@ def test_round_trip_through_yaml(tmp_path):
     saved = tmp_path / "resolved.yaml"
     saved.write_text(to_yaml(cfg))
     assert load(saved) == cfg
+
+
+def test_reward_weights_in_a_yaml_replace_the_default_instead_of_merging(tmp_path):
+    """A config naming only JPEG compressibility trains on exactly that (OmegaConf alone would add the schema's
+    default `ocr: 1.0`)."""
+    config = tmp_path / "jpeg_only.yaml"
+    config.write_text("model: {path: m}\ndata: {prompts: ocr_tiny}\nreward: {weights: {jpeg_compressibility: 2.0}}\n")
+    assert load(config).reward.weights == {"jpeg_compressibility": 2.0}
+    assert load(None, ["model.path=m", "data.prompts=p"]).reward.weights == {"ocr": 1.0}  # the default alone
+
+
+def test_reward_weights_override_replaces_the_mapping_and_a_dotted_one_edits_an_entry():
+    assert load(CONFIGS / "tiny_cpu.yaml").reward.weights == {"ocr": 1.0, "jpeg_compressibility": 1.0}
+    only = load(CONFIGS / "tiny_cpu.yaml", ["reward.weights={jpeg_compressibility: 1.0}"])
+    assert only.reward.weights == {"jpeg_compressibility": 1.0}
+    edited = load(CONFIGS / "tiny_cpu.yaml", ["reward.weights.ocr=0.5"])
+    assert edited.reward.weights == {"ocr": 0.5, "jpeg_compressibility": 1.0}
+
+
+@pytest.mark.parametrize("override", ["reward.weights={ocrr: 1.0}", "reward.weights.jpeg=1.0"])
+def test_unknown_reward_names_are_rejected_at_load_time(override):
+    with pytest.raises(ConfigError, match=r"reward.weights names unknown rewards \['(ocrr|jpeg)'\].*known"):
+        load(CONFIGS / "tiny_cpu.yaml", [override])
+
+
+def test_fault_tolerance_and_console_settings_have_safe_defaults():
+    cfg = load(CONFIGS / "tiny_cpu.yaml")
+    assert cfg.train.max_failures >= 1 and cfg.rollout.request_retries >= 1 and cfg.logging.verbose is False
+    with pytest.raises(ConfigError, match="rollout.request_retries"):
+        load(CONFIGS / "tiny_cpu.yaml", ["rollout.request_retries=-1"])

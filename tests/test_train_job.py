@@ -2,30 +2,13 @@
 refused before anything starts; the tiny run learns, stays on-policy, and a resumed run reproduces the
 uninterrupted one."""
 
-import json
 import math
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_job(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """The job in a fresh process with its own local Ray cluster (Serve on a free port: the test session's own
-    cluster may hold 8000)."""
-    return subprocess.run([sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml",
-                           f"cluster.serve_port={free_port()}", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+from job_runs import REPO, history, run_job
 
 
 @pytest.mark.parametrize("override, key", [
@@ -33,6 +16,7 @@ def run_job(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     ("rollout.group_size=many", "rollout.group_size"),  # wrong type
     ("model.build_tiny=false", "model.path"),  # no checkpoint at the model path
     ("data.prompts=/nowhere/prompts.txt", "data.prompts"),
+    ("reward.weights={ocrr: 1.0}", "reward.weights"),  # a misspelt reward, caught before any replica starts
 ])
 def test_bad_config_is_one_line_naming_the_key_and_starts_nothing(tmp_path, override, key):
     run_dir = tmp_path / "run"
@@ -47,20 +31,6 @@ def test_missing_model_path_names_the_key(tmp_path):
     done = subprocess.run([sys.executable, "-m", "jobs.train", "--config", "configs/qwen_image_ocr.yaml"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "model.path" in done.stderr and len(done.stderr.strip().splitlines()) == 1
-
-
-def history(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> Path:
-    """The tiny config as shipped (24 steps, 2 rollout replicas, OCR + JPEG reward, 2 FSDP2 workers)."""
-    run_dir = tmp_path_factory.mktemp("tiny") / "run"
-    done = run_job(f"logging.dir={run_dir}")
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "reward curve:" in done.stdout and "LoRA adapter:" in done.stdout
-    return run_dir
 
 
 def test_tiny_run_learns_jpeg_compressibility(tiny_run):

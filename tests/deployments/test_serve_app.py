@@ -43,8 +43,8 @@ def served(ray_cluster, tiny_model_dir):
         defaults={"size": "64x64", "num_inference_steps": 2},
         limits={"max_n": 4, "max_side": 128, "max_steps": 4, "max_reward_images": 4})
     serve.run(build_app(args), name=APP, route_prefix="/")
-    rollout, reward = handles(APP)
-    yield {"url": f"http://127.0.0.1:{port}", "rollout": rollout, "reward": reward}
+    rollout, reward, adapters = handles(APP)
+    yield {"url": f"http://127.0.0.1:{port}", "rollout": rollout, "reward": reward, "adapters": adapters}
     serve.delete(APP)
 
 
@@ -110,19 +110,102 @@ def test_publication_reaches_every_replica_and_changes_generations(served, tiny_
 
     async def run():
         before = await asyncio.gather(*[rollout.generate.remote(request) for _ in range(4)])
-        acks = await publish_lora(rollout, adapter)
+        acks = await publish_lora(rollout, served["adapters"], adapter)
         after = await asyncio.gather(*[rollout.generate.remote(request) for _ in range(4)])
         return before, acks, after
 
     before, acks, after = asyncio.run(run())
-    assert acks == [1, 1]
+    assert (acks.version, acks.acknowledged, acks.lost) == (1, 2, 0)
     lora = requests.get(f"{served['url']}/v1/lora", timeout=30).json()
-    assert lora["versions"] == [1] and len(lora["replicas"]) == 2
+    assert lora["versions"] == [1] and len(lora["replicas"]) == 2 and lora["published"] == 1
     assert all(t.lora_version == 1 for t in after) and all(t.lora_version == 0 for t in before)
     assert len({t.producer["replica"] for t in after}) == 2  # both replicas, both changed
     for t in after:
         assert not torch.equal(t.latents, before[0].latents)
         assert torch.equal(t.latents, after[0].latents)  # every replica serves the same adapter
+
+
+def test_a_request_for_a_version_nobody_has_is_refused_and_the_replica_keeps_serving(served):
+    from deployments.rollout import AdapterUnavailable
+
+    rollout = served["rollout"]
+    published = asyncio.run(served["adapters"].current.remote())[0]
+    with pytest.raises(AdapterUnavailable, match=f"asks for adapter version 99.*serves {published}"):
+        asyncio.run(rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_steps=2, seed=1,
+                                                              lora_version=99)))
+    ok = asyncio.run(rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_steps=2, seed=1,
+                                                               lora_version=published)))
+    assert ok.lora_version == published
+
+
+def test_a_replica_serve_starts_in_place_of_a_dead_one_serves_the_published_adapter(served, tiny_model_dir):
+    """Kill one Rollout replica for real (`ray.kill`); the replica Serve starts in its place loads the adapter
+    store's adapter in its constructor: it reports the published version before it has served any request."""
+    import time
+
+    import ray
+    from diffusers import QwenImageTransformer2DModel
+    from ray.util.state import list_actors
+
+    from app.models.lora import random_lora
+    from app.rollout.client import publish_lora
+
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
+    adapter = random_lora(transformer, version=7, rank=4, target_modules=["to_q", "to_v"], seed=7, scale=0.5)
+    assert asyncio.run(publish_lora(served["rollout"], served["adapters"], adapter)).acknowledged == 2
+
+    def replicas() -> dict[str, int]:
+        answers = requests.get(f"{served['url']}/v1/lora", timeout=60).json()["replicas"]
+        return {a["replica"]: a["lora_version"] for a in answers}
+
+    before = replicas()
+    victim = next(a for a in list_actors(filters=[("class_name", "=", "ServeReplica:flowgrpo:Rollout"),
+                                                  ("state", "=", "ALIVE")]))
+    ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        now = replicas()
+        if len(now) == 2 and set(now) != set(before):
+            break
+        time.sleep(2)
+    else:
+        pytest.fail(f"no replacement replica within 240 s: {replicas()}")
+    assert list(now.values()) == [7, 7], now  # the new replica served version 7 before any request reached it
+
+
+def test_a_reward_deployment_that_fails_is_retried_then_the_group_is_named(served):
+    """A real Serve deployment standing in for a broken reward model: it raises for one prompt and returns one
+    score for a group of two for another. Each is asked again, then fails naming the group: never a silent 0."""
+    from ray import serve
+
+    from app.rewards import RewardScores
+    from app.rollout.client import GroupFailed, RolloutClient
+
+    @serve.deployment(name="BrokenReward", ray_actor_options={"num_cpus": 0.1})
+    class BrokenReward:
+        def __init__(self):
+            self.calls = 0
+
+        async def score(self, images, prompts):
+            self.calls += 1
+            if "raises" in prompts[0]:
+                raise RuntimeError("the OCR model crashed")
+            return RewardScores(total=[0.5])
+
+        async def count(self) -> int:
+            return self.calls
+
+    broken = serve.run(BrokenReward.bind(), name="broken_reward", route_prefix=None)
+    try:
+        client = RolloutClient(served["rollout"], broken, served["adapters"], retries=1, retry_delay_s=0)
+        for prompt, why in [("reward raises", "RuntimeError.*the OCR model crashed"),
+                            ("reward is short", "1 scores for 2 images")]:
+            request = GenerationRequest(prompt, n=2, height=64, width=64, num_steps=2, seed=5, prompt_id="5")
+            with pytest.raises(GroupFailed, match=f"group 5 \\('{prompt}'\\): reward failed 2 times.*{why}"):
+                asyncio.run(client.collect([request]))
+        assert asyncio.run(broken.count.remote()) == 4
+    finally:
+        serve.delete("broken_reward")
 
 
 BAD_GENERATIONS = [

@@ -1,16 +1,18 @@
 """The trainer's recovery paths, which a healthy run never takes: a group whose replica failed is asked again
-(a rejected request is not), and a group sampled by another adapter version (a replica Serve restarted comes back
-on the base model) is regenerated after re-publishing.
+(a rejected request is not), a reward that fails or answers with the wrong shape is asked again and then fails
+the step naming the group, and a group sampled by another adapter version is regenerated after re-publishing.
 
 `StubRollout`/`StubReward` stand in for Serve DeploymentHandles (same `.method.remote(...)` awaitable shape) so that
-failures can be injected at exact calls; the real handles are exercised in tests/deployments and the job tests."""
+failures can be injected at exact calls; real replicas die in tests/test_fault_tolerance.py, and a real Serve
+reward deployment that fails in tests/deployments/test_failing_reward.py."""
 
 import asyncio
 from types import SimpleNamespace
 
 import pytest
 
-from app.rollout.client import RolloutClient
+from app.rewards import RewardScores
+from app.rollout.client import GroupFailed, RolloutClient
 from app.train import loop
 
 
@@ -38,12 +40,12 @@ class StubRollout:
 
 
 class StubReward:
-    def __init__(self):
-        self.score = _Method(lambda images, prompts: [f"score:{p}" for p in prompts])
+    def __init__(self, fn=None):
+        self.score = _Method(fn or (lambda images, prompts: RewardScores(total=[float(len(p)) for p in prompts])))
 
 
 def requests(k):
-    return [SimpleNamespace(prompt_id=str(i)) for i in range(k)]
+    return [SimpleNamespace(prompt_id=str(i), prompt=f"prompt {i}") for i in range(k)]
 
 
 def test_a_failed_group_is_asked_again_and_arrives_in_request_order():
@@ -58,7 +60,8 @@ def test_a_failed_group_is_asked_again_and_arrives_in_request_order():
     rollout = StubRollout(flaky)
     groups = asyncio.run(RolloutClient(rollout, StubReward(), retries=2, retry_delay_s=0).collect(requests(3)))
     assert [g.trajectory.prompt_id for g in groups] == ["0", "1", "2"] and [g.index for g in groups] == [0, 1, 2]
-    assert rollout.generate.calls == 4 and groups[1].rewards == ["score:1", "score:1"]
+    assert rollout.generate.calls == 4 and groups[1].rewards.total == [1.0, 1.0]
+    assert [g.retries for g in groups] == [0, 1, 0]
 
 
 def test_a_rejected_request_is_not_retried():
@@ -76,25 +79,58 @@ def test_retries_are_bounded():
         raise RuntimeError("replica lost")
 
     rollout = StubRollout(dead)
-    with pytest.raises(RuntimeError, match="replica lost"):
+    with pytest.raises(GroupFailed, match=r"group 0 \('prompt 0'\): generation failed 3 times.*replica lost"):
         asyncio.run(RolloutClient(rollout, StubReward(), retries=2, retry_delay_s=0).collect(requests(1)))
     assert rollout.generate.calls == 3
+
+
+@pytest.mark.parametrize("answer, why", [
+    (lambda images, prompts: RewardScores(total=[1.0]), "1.*scores for 2 images"),  # wrong length
+    (lambda images, prompts: RewardScores(total=[1.0, 2.0], components={"ocr": [1.0]}), "scores for 2 images"),
+    (lambda images, prompts: RewardScores(total=[1.0, float("nan")]), "not a finite number"),
+    (lambda images, prompts: [1.0, 2.0], "list, not RewardScores"),
+    (lambda images, prompts: 1 / 0, "ZeroDivisionError"),  # the reward raised
+])
+def test_a_reward_that_cannot_be_computed_is_retried_then_fails_naming_the_group(answer, why):
+    reward = StubReward(answer)
+    rollout = StubRollout(trajectory)
+    client = RolloutClient(rollout, reward, retries=2, retry_delay_s=0)
+    with pytest.raises(GroupFailed, match=rf"group 0 \('prompt 0'\): reward failed 3 times.*{why}"):
+        asyncio.run(client.collect(requests(1)))
+    assert rollout.generate.calls == 1 and reward.score.calls == 3  # the images were fine: only the reward again
+
+
+def test_a_reward_that_fails_once_is_asked_again_without_regenerating():
+    calls = []
+
+    def flaky(images, prompts):
+        calls.append(prompts[0])
+        if len(calls) == 1:
+            raise RuntimeError("ActorDiedError: reward replica lost")
+        return RewardScores(total=[2.0, 3.0])
+
+    rollout = StubRollout(trajectory)
+    (group,) = asyncio.run(RolloutClient(rollout, StubReward(flaky), retries=2, retry_delay_s=0).collect(requests(1)))
+    assert group.rewards.total == [2.0, 3.0] and group.retries == 1 and rollout.generate.calls == 1
+
+
+class RecordingClient(RolloutClient):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.published = []
+
+    async def publish(self, adapter):
+        self.published.append(adapter.version)
 
 
 def _worker(rollout, adapter_version):
     runner = asyncio.Runner()
     adapter = SimpleNamespace(version=adapter_version)
     return SimpleNamespace(adapter=adapter, aio=runner,
-                           client=RolloutClient(rollout, StubReward(), retries=0, retry_delay_s=0)), runner
+                           client=RecordingClient(rollout, StubReward(), retries=0, retry_delay_s=0)), runner
 
 
-def test_a_group_from_another_adapter_is_regenerated_after_republishing(monkeypatch):
-    published = []
-
-    async def publish(rollout, adapter):
-        published.append(adapter.version)
-    monkeypatch.setattr(loop, "publish_lora", publish)
-
+def test_a_group_from_another_adapter_is_regenerated_after_republishing():
     first = {"2"}  # group 2 first lands on a replica that came back on the base model
 
     def restarted_replica(request):
@@ -106,16 +142,12 @@ def test_a_group_from_another_adapter_is_regenerated_after_republishing(monkeypa
     w, runner = _worker(rollout, adapter_version=5)
     with runner:
         groups, regenerated = loop._collect_on_policy(w, requests(3))
-    assert regenerated == 1 and published == [5] and rollout.generate.calls == 4
+    assert regenerated == 1 and w.client.published == [5] and rollout.generate.calls == 4
     assert [g.trajectory.lora_version for g in groups] == [5, 5, 5]
     assert [g.trajectory.prompt_id for g in groups] == ["0", "1", "2"]
 
 
-def test_a_group_still_off_policy_after_republishing_stops_the_step(monkeypatch):
-    async def publish(rollout, adapter):
-        pass
-    monkeypatch.setattr(loop, "publish_lora", publish)
-
+def test_a_group_still_off_policy_after_republishing_stops_the_step():
     rollout = StubRollout(lambda request: trajectory(request, version=3))
     w, runner = _worker(rollout, adapter_version=5)
     with runner, pytest.raises(RuntimeError, match="adapter version 3 after re-publishing version 5"):

@@ -1,0 +1,87 @@
+"""Running `python -m jobs.train` as a user does, from tests: fresh processes, each with its own local Ray cluster
+(Serve on a free port: the test session's own cluster may hold 8000)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml",
+            f"cluster.serve_port={free_port()}", *args]
+
+
+def run_job(*args: str, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(job_command(*args), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def history(run_dir: Path) -> list[dict]:
+    """Every metrics line, in the order written (a step re-run after a restart appears twice)."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def processes_titled(title: str, root: int) -> list[psutil.Process]:
+    """Live descendants of process `root` whose title (Ray sets `ray::<actor class>...`) starts with `title`."""
+    found = []
+    for proc in psutil.Process(root).children(recursive=True):
+        try:
+            if " ".join(proc.cmdline()).startswith(title):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return sorted(found, key=lambda p: p.pid)
+
+
+class KilledRun:
+    """The job in a subprocess; when rank 0 prints the progress line of step `after_step`, one process titled
+    `title` (a Serve replica, a Ray Train worker) is killed with SIGKILL: it vanishes as a crashed or preempted
+    process does, with no chance to clean up."""
+
+    def __init__(self, *args: str, title: str | None = None, after_step: int = 0, env: dict | None = None):
+        self.title, self.after_step = title, after_step
+        self.killed: list[str] = []  # "pid title" of what was killed
+        self.lines: list[str] = []
+        self.job = subprocess.Popen(job_command(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def _watch(self) -> None:
+        for line in self.job.stdout:
+            self.lines.append(line)
+            if self.title and not self.killed and f"[flowgrpo] step {self.after_step}/" in line:
+                for victim in processes_titled(self.title, self.job.pid)[:1]:
+                    described = f"{victim.pid} {' '.join(victim.cmdline())}"
+                    os.kill(victim.pid, signal.SIGKILL)
+                    self.killed.append(described)
+
+    def wait(self, timeout: float = 900) -> int:
+        watcher = threading.Thread(target=self._watch, daemon=True)
+        watcher.start()
+        try:
+            code = self.job.wait(timeout=timeout)
+        finally:
+            if self.job.poll() is None:
+                self.job.kill()
+        watcher.join(timeout=30)
+        return code
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
