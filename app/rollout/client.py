@@ -64,6 +64,13 @@ def _describe(request: GenerationRequest) -> str:
     return f"group {request.prompt_id} ({request.prompt!r})"
 
 
+def _short(err: BaseException) -> str:
+    """`Type: first line of the message` of the exception a replica raised (a RayTaskError carries it as `cause`;
+    the full remote traceback stays chained to the error raised here)."""
+    cause = getattr(err, "cause", None) or err
+    return f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+
+
 class RolloutClient:
     def __init__(self, rollout, reward, adapters=None, *, retries: int = 3, retry_delay_s: float = 2.0):
         self.rollout, self.reward, self.adapters = rollout, reward, adapters  # DeploymentHandles
@@ -81,9 +88,8 @@ class RolloutClient:
                     raise
                 if attempt == self.retries:
                     raise GroupFailed(f"{_describe(request)}: {what} failed {attempt + 1} times; last error: "
-                                      f"{type(err).__name__}: {err}") from err
-                logger.warning("%s: %s failed (%s: %s); retrying", _describe(request), what, type(err).__name__,
-                               (str(err).splitlines() or [""])[0])
+                                      f"{_short(err)}") from err
+                logger.warning("%s: %s failed (%s); retrying", _describe(request), what, _short(err))
             await asyncio.sleep(self.retry_delay_s)
 
     async def _one(self, index: int, request: GenerationRequest) -> ScoredGroup:

@@ -129,12 +129,12 @@ def test_a_request_for_a_version_nobody_has_is_refused_and_the_replica_keeps_ser
     from deployments.rollout import AdapterUnavailable
 
     rollout = served["rollout"]
-    published = asyncio.run(served["adapters"].current.remote())[0]
+    published = served["adapters"].current.remote().result()[0]
     with pytest.raises(AdapterUnavailable, match=f"asks for adapter version 99.*serves {published}"):
-        asyncio.run(rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_steps=2, seed=1,
-                                                              lora_version=99)))
-    ok = asyncio.run(rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_steps=2, seed=1,
-                                                               lora_version=published)))
+        rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_steps=2, seed=1,
+                                                  lora_version=99)).result()
+    ok = rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_steps=2, seed=1,
+                                                   lora_version=published)).result()
     assert ok.lora_version == published
 
 
@@ -145,7 +145,6 @@ def test_a_replica_serve_starts_in_place_of_a_dead_one_serves_the_published_adap
 
     import ray
     from diffusers import QwenImageTransformer2DModel
-    from ray.util.state import list_actors
 
     from app.models.lora import random_lora
     from app.rollout.client import publish_lora
@@ -159,9 +158,8 @@ def test_a_replica_serve_starts_in_place_of_a_dead_one_serves_the_published_adap
         return {a["replica"]: a["lora_version"] for a in answers}
 
     before = replicas()
-    victim = next(a for a in list_actors(filters=[("class_name", "=", "ServeReplica:flowgrpo:Rollout"),
-                                                  ("state", "=", "ALIVE")]))
-    ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
+    victim = sorted(before)[0]  # Serve names a replica's actor after its id (Ray 2.60)
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#Rollout#{victim}", namespace="serve"), no_restart=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         now = replicas()
@@ -203,7 +201,7 @@ def test_a_reward_deployment_that_fails_is_retried_then_the_group_is_named(serve
             request = GenerationRequest(prompt, n=2, height=64, width=64, num_steps=2, seed=5, prompt_id="5")
             with pytest.raises(GroupFailed, match=f"group 5 \\('{prompt}'\\): reward failed 2 times.*{why}"):
                 asyncio.run(client.collect([request]))
-        assert asyncio.run(broken.count.remote()) == 4
+        assert broken.count.remote().result() == 4
     finally:
         serve.delete("broken_reward")
 
