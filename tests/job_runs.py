@@ -51,13 +51,13 @@ def processes_titled(title: str, root: int) -> list[psutil.Process]:
 
 
 class KilledRun:
-    """The job in a subprocess; when rank 0 prints the progress line of step `after_step`, one process titled
-    `title` (a Serve replica, a Ray Train worker) is killed with SIGKILL: it vanishes as a crashed or preempted
+    """The job in a subprocess; when rank 0 prints the progress line of step k, the first process titled
+    `kills[k]` (a Serve replica, a Ray Train worker) is killed with SIGKILL: it vanishes as a crashed or preempted
     process does, with no chance to clean up."""
 
-    def __init__(self, *args: str, title: str | None = None, after_step: int = 0, env: dict | None = None):
-        self.title, self.after_step = title, after_step
-        self.killed: list[str] = []  # "pid title" of what was killed
+    def __init__(self, *args: str, kills: dict[int, str] | None = None, env: dict | None = None):
+        self.kills = dict(kills or {})
+        self.killed: dict[int, str] = {}  # step -> "pid title" of what was killed
         self.lines: list[str] = []
         self.job = subprocess.Popen(job_command(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -65,11 +65,12 @@ class KilledRun:
     def _watch(self) -> None:
         for line in self.job.stdout:
             self.lines.append(line)
-            if self.title and not self.killed and f"[flowgrpo] step {self.after_step}/" in line:
-                for victim in processes_titled(self.title, self.job.pid)[:1]:
-                    described = f"{victim.pid} {' '.join(victim.cmdline())}"
-                    os.kill(victim.pid, signal.SIGKILL)
-                    self.killed.append(described)
+            for step, title in self.kills.items():
+                if step not in self.killed and f"[flowgrpo] step {step}/" in line:
+                    for victim in processes_titled(title, self.job.pid)[:1]:
+                        described = f"{victim.pid} {' '.join(victim.cmdline())}"
+                        os.kill(victim.pid, signal.SIGKILL)
+                        self.killed[step] = described
 
     def wait(self, timeout: float = 900) -> int:
         watcher = threading.Thread(target=self._watch, daemon=True)

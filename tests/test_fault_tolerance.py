@@ -1,18 +1,19 @@
 """Real processes die during the tiny job and the run loses nothing.
 
-Two runs of `python -m jobs.train` on the tiny config (2 vllm-omni rollout replicas, 2 reward replicas, 2 FSDP2
-workers, a checkpoint every 2 steps), each losing two processes of its own local Ray cluster while it trains:
+One run of `python -m jobs.train` on the tiny config (2 vllm-omni rollout replicas, 2 reward replicas, 2 FSDP2
+workers, a checkpoint every 2 steps, 6 steps) loses four processes of its own local Ray cluster while it trains:
 
-- run A: a Rollout replica dies as it starts generating group 5 (step 2, with other groups in flight on it), and
-  a Reward replica is SIGKILLed from outside when step 3's progress line prints;
-- run B: a Rollout replica dies as it starts loading adapter version 2 (the publish at the end of step 2), and a
-  training worker is SIGKILLed from outside when step 3's line prints.
+- a Rollout replica dies as it starts generating group 5 (step 2, with other groups in flight on it);
+- a Reward replica is SIGKILLed from outside when step 2's progress line prints;
+- a training worker is SIGKILLed from outside when step 3's line prints: the worker group restarts from the
+  checkpoint of step 2 and runs steps 3.. again;
+- a Rollout replica dies as it starts loading adapter version 5 (the publish at the end of step 5).
 
 In-process deaths (`os._exit` at a named point, `app/faults.py`) are for moments too short or too uncertain to hit
-from outside. Every run must finish all its steps with exactly the per-step rewards of the uninterrupted run with
+from outside. The run must finish all its steps with exactly the per-step rewards of the uninterrupted run with
 the same seed (`tiny_run`, shared with tests/test_train_job.py): the loop is deterministic per seed, so equal
-rewards prove that no group was lost, duplicated or sampled by another adapter. Each run takes about 3 minutes on
-2 cores; the two tests of a run share it.
+rewards prove that no group was lost, duplicated or sampled by another adapter. One run serves the four tests
+(each checks its own death); it takes about 4 minutes on 2 cores.
 """
 
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ import pytest
 from app.metrics import read_history
 from job_runs import KilledRun
 
-STEPS = 5
+STEPS = 6
+CRASHES = {"generation": "rollout.generate=5", "publish": "rollout.load_lora=5"}
+KILLS = {2: "ray::ServeReplica:flowgrpo:Reward", 3: "ray::RayTrainWorker"}
 
 
 @dataclass
@@ -31,28 +34,19 @@ class Outcome:
     records: list[dict]  # the last record of every step
     lines: list[str]  # every metrics line written, re-run steps included
     run: KilledRun
-    crashed: bool  # the in-process crash point was reached
+    crashed: dict[str, bool]  # which in-process crash points were reached
 
 
-def run_with_deaths(run_dir: Path, crash: str, kill_title: str, kill_after_step: int) -> Outcome:
-    marker = run_dir.parent / "crashed"
+@pytest.fixture(scope="module")
+def deaths(tmp_path_factory) -> Outcome:
+    base = tmp_path_factory.mktemp("deaths")
+    run_dir, markers = base / "run", {name: base / f"crashed-{name}" for name in CRASHES}
+    crash = ",".join(f"{CRASHES[name]}@{markers[name]}" for name in CRASHES)
     run = KilledRun(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "train.checkpoint_every=2",
-                    title=kill_title, after_step=kill_after_step, env={"RAY_FLOWGRPO_CRASH": f"{crash}@{marker}"})
+                    kills=KILLS, env={"RAY_FLOWGRPO_CRASH": crash})
     assert run.wait() == 0, run.output[-6000:]
     return Outcome(read_history(run_dir), (run_dir / "metrics.jsonl").read_text().splitlines(), run,
-                   marker.exists())
-
-
-@pytest.fixture(scope="module")
-def rollout_and_reward_deaths(tmp_path_factory) -> Outcome:
-    return run_with_deaths(tmp_path_factory.mktemp("deaths_a") / "run", "rollout.generate=5",
-                           "ray::ServeReplica:flowgrpo:Reward", kill_after_step=3)
-
-
-@pytest.fixture(scope="module")
-def publish_and_worker_deaths(tmp_path_factory) -> Outcome:
-    return run_with_deaths(tmp_path_factory.mktemp("deaths_b") / "run", "rollout.load_lora=2",
-                           "ray::RayTrainWorker", kill_after_step=3)
+                   {name: marker.exists() for name, marker in markers.items()})
 
 
 def assert_same_as_uninterrupted(outcome: Outcome, tiny_run: Path) -> None:
@@ -64,29 +58,27 @@ def assert_same_as_uninterrupted(outcome: Outcome, tiny_run: Path) -> None:
         assert r["rollout/logprob_mismatch_max"] <= 1e-5  # every group was sampled by the adapter it claims
 
 
-def test_a_rollout_replica_dying_while_groups_generate(rollout_and_reward_deaths, tiny_run):
-    assert rollout_and_reward_deaths.crashed, "no Rollout replica reached group 5"
-    assert_same_as_uninterrupted(rollout_and_reward_deaths, tiny_run)
+def test_a_rollout_replica_dying_while_groups_generate(deaths, tiny_run):
+    assert deaths.crashed["generation"], "no Rollout replica reached group 5"
+    assert_same_as_uninterrupted(deaths, tiny_run)
 
 
-def test_a_reward_replica_killed(rollout_and_reward_deaths, tiny_run):
-    assert rollout_and_reward_deaths.run.killed, "no Reward replica was found to kill"
-    assert_same_as_uninterrupted(rollout_and_reward_deaths, tiny_run)
+def test_a_reward_replica_killed(deaths, tiny_run):
+    assert 2 in deaths.run.killed, "no Reward replica was found to kill"
+    assert_same_as_uninterrupted(deaths, tiny_run)
 
 
-def test_a_rollout_replica_dying_while_the_adapter_is_published(publish_and_worker_deaths, tiny_run):
-    outcome = publish_and_worker_deaths
-    assert outcome.crashed, "no Rollout replica reached the load of adapter version 2"
-    assert_same_as_uninterrupted(outcome, tiny_run)
-    # the publish of version 2 met a replica that died and went on with the live one; the replica Serve started
-    # in its place loaded version 2 from the adapter store before it served (staleness 0 above)
-    assert outcome.records[1]["rollout/publish_lost_replicas_max"] == 1
-
-
-def test_a_training_worker_killed_restarts_from_the_latest_checkpoint(publish_and_worker_deaths, tiny_run):
-    outcome = publish_and_worker_deaths
-    assert outcome.run.killed, "no training worker was found to kill"
-    assert_same_as_uninterrupted(outcome, tiny_run)
+def test_a_training_worker_killed_restarts_from_the_latest_checkpoint(deaths, tiny_run):
+    assert 3 in deaths.run.killed, "no training worker was found to kill"
+    assert_same_as_uninterrupted(deaths, tiny_run)
     # the worker group started again from the latest checkpoint and ran the steps after it again
-    assert "continuing from the checkpoint of step" in outcome.run.output, outcome.run.output[-4000:]
-    assert len(outcome.lines) > STEPS
+    assert "continuing from the checkpoint of step" in deaths.run.output, deaths.run.output[-4000:]
+    assert len(deaths.lines) > STEPS
+
+
+def test_a_rollout_replica_dying_while_the_adapter_is_published(deaths, tiny_run):
+    assert deaths.crashed["publish"], "no Rollout replica reached the load of adapter version 5"
+    assert_same_as_uninterrupted(deaths, tiny_run)
+    # the publish of version 5 met a replica that died and went on with the live one; the replica Serve started
+    # in its place loaded version 5 from the adapter store before it served (staleness 0 above)
+    assert deaths.records[4]["rollout/publish_lost_replicas_max"] == 1

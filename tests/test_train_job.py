@@ -2,6 +2,7 @@
 refused before anything starts; the tiny run learns, stays on-policy, and a resumed run reproduces the
 uninterrupted one."""
 
+import json
 import math
 import subprocess
 import sys

@@ -197,7 +197,7 @@ def test_a_reward_deployment_that_fails_is_retried_then_the_group_is_named(serve
     try:
         client = RolloutClient(served["rollout"], broken, served["adapters"], retries=1, retry_delay_s=0)
         for prompt, why in [("reward raises", "RuntimeError.*the OCR model crashed"),
-                            ("reward is short", "1 scores for 2 images")]:
+                            ("reward is short", r"\{'total': 1\} scores for 2 images")]:
             request = GenerationRequest(prompt, n=2, height=64, width=64, num_steps=2, seed=5, prompt_id="5")
             with pytest.raises(GroupFailed, match=f"group 5 \\('{prompt}'\\): reward failed 2 times.*{why}"):
                 asyncio.run(client.collect([request]))
