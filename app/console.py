@@ -43,6 +43,9 @@ class _DropHarmless(logging.Filter):
         return not _HARMLESS.search(record.getMessage())
 
 
+_DROP_HARMLESS = _DropHarmless()  # one instance: adding it again to a logger or handler is a no-op
+
+
 def set_driver_env(verbose: bool) -> None:
     """Before `import ray` in the driver: forwarded worker lines that are known harmless are not printed."""
     if not verbose:
@@ -56,10 +59,10 @@ def quiet_this_process(verbose: bool) -> None:
     for name in _CHATTY_LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
-        logger.addFilter(_DropHarmless())  # records logged by this logger itself
+        logger.addFilter(_DROP_HARMLESS)  # records logged by this logger itself
     for name in ("", "ray"):  # records that propagate to the handlers of the root and `ray` loggers
         for handler in logging.getLogger(name).handlers:
-            handler.addFilter(_DropHarmless())
+            handler.addFilter(_DROP_HARMLESS)
 
 
 def log_level(verbose: bool) -> str:

@@ -28,9 +28,8 @@ def job_command(*args: str) -> list[str]:
             f"cluster.serve_port={free_port()}", *args]
 
 
-def run_job(*args: str, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(job_command(*args), cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+def run_job(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(job_command(*args), cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def history(run_dir: Path) -> list[dict]:

@@ -217,7 +217,7 @@ def _collect_on_policy(w: Worker, requests: list[GenerationRequest]) -> tuple[li
     """The scored groups, every one sampled with the adapter the replicas were last given. Each request names that
     version and a replica serving another loads it from the adapter store first; should a group still come from
     another version (the store itself was restarted), it is regenerated after re-publishing."""
-    expected = w.adapter.version if w.adapter is not None else 0
+    expected = w.state.adapter_version  # what the requests ask for
     groups = w.aio.run(w.client.collect(requests))
     stale = [k for k, s in enumerate(groups) if s.trajectory.lora_version != expected]
     if stale:
