@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve import Application
 
 from app.console import replica_env
+from app.rewards.ocr import DETECT_MIN_SIDE
 from deployments.adapters import AdapterStore
 from deployments.api import ApiIngress, ApiLimits, GenerationDefaults, app as fastapi_app
 from deployments.reward import RewardScorer
@@ -45,6 +46,8 @@ class FlowGRPOAppArgs(BaseModel):
     # replicas' log level (Serve and vllm); "WARNING" also drops Serve's per-request access log
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     reward_weights: dict[str, float] = Field(default_factory=lambda: {"ocr": 1.0})
+    # the OCR detector enlarges images whose shorter side is below this (RapidOCR's 736); lower it for small images
+    ocr_detect_min_side: int = Field(DETECT_MIN_SIDE, ge=32)
     reward_replicas: int = Field(1, ge=1)
     reward_num_cpus: float = Field(1.0, gt=0)
     reward_max_batch_size: int = Field(8, ge=1)
@@ -60,8 +63,9 @@ class _ServedRollout(RolloutReplica):
 
 
 class _ServedReward(RewardScorer):
-    def __init__(self, weights: dict[str, float], max_batch_size: int, torch_threads: int, log_level: str):
-        super().__init__(weights, torch_threads=torch_threads, log_level=log_level)
+    def __init__(self, weights: dict[str, float], options: dict[str, dict], max_batch_size: int, torch_threads: int,
+                 log_level: str):
+        super().__init__(weights, options=options, torch_threads=torch_threads, log_level=log_level)
         self._score_one.set_max_batch_size(max_batch_size)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
@@ -96,7 +100,8 @@ def build_app(args: FlowGRPOAppArgs) -> Application:
         _ServedReward, name="Reward", num_replicas=args.reward_replicas,
         max_ongoing_requests=4 * args.reward_max_batch_size, logging_config=logging_config,
         ray_actor_options={"num_cpus": args.reward_num_cpus, "runtime_env": env},
-    ).bind(args.reward_weights, args.reward_max_batch_size, args.torch_threads, args.log_level)
+    ).bind(args.reward_weights, {"ocr": {"detect_min_side": args.ocr_detect_min_side}}, args.reward_max_batch_size,
+           args.torch_threads, args.log_level)
     ingress = serve.deployment(serve.ingress(fastapi_app)(ApiIngress), name="Api", logging_config=logging_config,
                                ray_actor_options={"num_cpus": args.api_num_cpus})
     return ingress.bind(rollout, reward, args.limits, args.defaults, adapters)
@@ -109,8 +114,8 @@ def app_args_from_config(config, *, log_level: str = "INFO") -> FlowGRPOAppArgs:
         model_path=m.path, build_tiny=m.build_tiny, dtype=m.dtype, rollout_replicas=r.num_replicas,
         rollout_num_cpus=r.replica_num_cpus, rollout_num_gpus=r.replica_num_gpus,
         rollout_max_ongoing_requests=r.max_ongoing_requests, batched_groups=r.batched_groups,
-        reward_weights=dict(w.weights), reward_replicas=w.num_replicas, reward_num_cpus=w.replica_num_cpus,
-        log_level=log_level,
+        reward_weights=dict(w.weights), ocr_detect_min_side=w.ocr_detect_min_side, reward_replicas=w.num_replicas,
+        reward_num_cpus=w.replica_num_cpus, log_level=log_level,
         defaults=GenerationDefaults(size=f"{r.width}x{r.height}", num_inference_steps=r.num_steps,
                                     noise_level=r.noise_level, sde_type=r.sde_type, guidance=r.guidance_scale,
                                     negative_prompt=r.negative_prompt),

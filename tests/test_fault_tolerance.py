@@ -14,15 +14,20 @@ from outside. The run must finish all its steps with exactly the per-step reward
 the same seed (`tiny_run`, shared with tests/test_train_job.py): the loop is deterministic per seed, so equal
 rewards prove that no group was lost, duplicated or sampled by another adapter. One run serves the four tests
 (each checks its own death); it takes about 4 minutes on 2 cores.
+
+The run then stops, and `--resume` on a copy of its folder continues it as a user would after a stopped or crashed
+job (a new driver, a new Ray cluster): steps 7-8 must equal the uninterrupted run's, which needs the adapter, the
+optimizer state, the prompt position and every rank's RNG state of the checkpoint of step 6.
 """
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from app.metrics import read_history
-from job_runs import KilledRun
+from job_runs import KilledRun, run_job
 
 STEPS = 6
 CRASHES = {"generation": "rollout.generate=5", "publish": "rollout.load_lora=5"}
@@ -34,6 +39,7 @@ class Outcome:
     records: list[dict]  # the last record of every step
     lines: list[str]  # every metrics line written, re-run steps included
     run: KilledRun
+    run_dir: Path
     crashed: dict[str, bool]  # which in-process crash points were reached
 
 
@@ -45,7 +51,7 @@ def deaths(tmp_path_factory) -> Outcome:
     run = KilledRun(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "train.checkpoint_every=2",
                     kills=KILLS, env={"RAY_FLOWGRPO_CRASH": crash})
     assert run.wait() == 0, run.output[-6000:]
-    return Outcome(read_history(run_dir), (run_dir / "metrics.jsonl").read_text().splitlines(), run,
+    return Outcome(read_history(run_dir), (run_dir / "metrics.jsonl").read_text().splitlines(), run, run_dir,
                    {name: marker.exists() for name, marker in markers.items()})
 
 
@@ -82,3 +88,17 @@ def test_a_rollout_replica_dying_while_the_adapter_is_published(deaths, tiny_run
     # the publish of version 5 met a replica that died and went on with the live one; the replica Serve started
     # in its place loaded version 5 from the adapter store before it served (staleness 0 above)
     assert deaths.records[4]["rollout/publish_lost_replicas_max"] == 1
+
+
+def test_a_stopped_run_resumed_from_its_folder_continues_as_the_uninterrupted_one(deaths, tiny_run, tmp_path):
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(deaths.run_dir, run_dir)  # a copy: the other tests read the original
+    again = run_job(f"logging.dir={run_dir}", f"train.num_steps={STEPS + 2}", "train.checkpoint_every=2", "--resume")
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"continuing from the checkpoint of step {STEPS}" in again.stdout + again.stderr
+    resumed, uninterrupted = read_history(run_dir), read_history(tiny_run)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 3))
+    for r, u in zip(resumed[STEPS:], uninterrupted[STEPS:STEPS + 2]):
+        assert r["reward/mean"] == u["reward/mean"]  # sampled by the restored adapter, prompts and seeds
+        assert r["actor/grad_norm"] == pytest.approx(u["actor/grad_norm"], rel=1e-6)
+        assert r["rollout/staleness_max"] == 0 and r["rollout/adapter_version"] == r["step"]

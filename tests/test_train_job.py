@@ -1,6 +1,6 @@
 """`python -m jobs.train` end to end on the tiny config, in fresh processes as a user runs it: a bad config is
-refused before anything starts; the tiny run learns, stays on-policy, and a resumed run reproduces the
-uninterrupted one."""
+refused before anything starts; the tiny run learns, stays on-policy and writes what it promises; the loss terms the
+tiny config leaves off run under FSDP2. (Resuming a stopped run: tests/test_fault_tolerance.py.)"""
 
 import json
 import math
@@ -72,19 +72,6 @@ def test_tiny_run_writes_checkpoints_logs_and_pictures(tiny_run):
     assert any((tiny_run / "tensorboard").glob("events.out.tfevents.*"))
     for picture in ("reward_curve.png", "samples.png"):
         assert (tiny_run / picture).stat().st_size > 1000
-
-
-def test_resumed_run_reproduces_the_uninterrupted_one(tiny_run, tmp_path):
-    run_dir = tmp_path / "resumed"
-    first = run_job(f"logging.dir={run_dir}", "train.num_steps=4")  # stops after step 4 (its last checkpoint)
-    assert first.returncode == 0, first.stderr[-4000:]
-    again = run_job(f"logging.dir={run_dir}", "train.num_steps=6", "--resume")
-    assert again.returncode == 0, again.stderr[-4000:]
-    resumed, uninterrupted = history(run_dir), history(tiny_run)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    for r, u in zip(resumed, uninterrupted[:6]):
-        assert r["reward/mean"] == u["reward/mean"] and r["actor/grad_norm"] == pytest.approx(u["actor/grad_norm"],
-                                                                                              rel=1e-6)
 
 
 def test_kl_off_policy_passes_and_recomputed_old_log_probs_run_under_fsdp2(tmp_path):

@@ -35,11 +35,12 @@ class WeightedReward:
         return RewardScores(total=total, components=components)
 
 
-def build_reward(weights: dict[str, float]) -> WeightedReward:
-    """The composite for `reward.weights` of the config, e.g. {"ocr": 1.0, "jpeg_compressibility": 0.1}."""
-    registry = _registry()
+def build_reward(weights: dict[str, float], options: dict[str, dict] | None = None) -> WeightedReward:
+    """The composite for `reward.weights` of the config, e.g. {"ocr": 1.0, "jpeg_compressibility": 0.1};
+    `options` holds constructor arguments per reward name, e.g. {"ocr": {"detect_min_side": 64}}."""
+    registry, options = _registry(), options or {}
     unknown = sorted(set(weights) - set(registry))
     if unknown or not weights:
         raise ValueError(f"unknown reward names {unknown} (known: {sorted(registry)})" if unknown
                          else "no reward named: give at least one, e.g. {'ocr': 1.0}")
-    return WeightedReward({name: (registry[name](), float(w)) for name, w in weights.items()})
+    return WeightedReward({name: (registry[name](**options.get(name, {})), float(w)) for name, w in weights.items()})

@@ -37,15 +37,24 @@ def ocr_score(recognised: str, target: str) -> float:
     return 1.0 - min(Levenshtein.distance(recognised, target), len(target)) / len(target)
 
 
+# RapidOCR's own default: an image whose shorter side is below it is enlarged to it before text detection
+DETECT_MIN_SIDE = 736
+
+
 class OcrReward:
     name = "ocr"
 
-    def __init__(self, threads: int = 1):
+    def __init__(self, threads: int = 1, detect_min_side: int = DETECT_MIN_SIDE):
+        """`detect_min_side`: the detector enlarges smaller images to this shorter side. A 64 px image enlarged to
+        736 costs 0.29 s of CPU instead of 0.004 s and reads the same text here: lower it for small images."""
         from rapidocr import RapidOCR
 
+        if detect_min_side < 32:
+            raise ValueError(f"detect_min_side={detect_min_side}: the text detector needs at least 32 px")
         # one intra-op thread: replicas share few cores and oversubscription is slower than serial
         self._ocr = RapidOCR(params={"EngineConfig.onnxruntime.intra_op_num_threads": threads,
-                                     "EngineConfig.onnxruntime.inter_op_num_threads": 1})
+                                     "EngineConfig.onnxruntime.inter_op_num_threads": 1,
+                                     "Det.limit_side_len": detect_min_side})
 
     def read(self, image: np.ndarray) -> str:
         result = self._ocr(image)
