@@ -1,11 +1,12 @@
-# `make setup` builds .venv with everything the project needs (idempotent); `make test` runs the suite;
-# `make train` runs the main job on the tiny CPU config.
+# `make setup` builds .venv with everything the project needs (idempotent); `make test` runs the whole suite (CI);
+# `make test-fast` leaves out the tests marked slow (well under two minutes); `make train` runs the main job on the
+# tiny CPU config.
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test train tiny-models clean-venv
+.PHONY: setup test test-fast train tiny-models clean-venv
 
 setup: $(STAMP)
 
@@ -21,6 +22,9 @@ $(STAMP): pyproject.toml app/platform/cpu_torch_shim.py
 
 test: setup
 	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
 
 # the main job on the tiny config (CPU, a few minutes); a new run folder each time; ARGS="key=value ..." overrides
 train: setup

@@ -19,6 +19,7 @@ from app.rewards.composite import REWARD_NAMES
 
 MODEL_FAMILIES = ("qwen_image",)
 DTYPES = ("float32", "bfloat16", "float16")
+ENGINES = ("vllm_omni", "diffusers")  # what a rollout replica runs (`rollout.engine`)
 
 
 class ConfigError(ValueError):
@@ -60,6 +61,8 @@ class RolloutConfig:
     noise_level: float = 0.7
     # "sde" (FlowGRPO) or "cps" (coefficient-preserving sampling)
     sde_type: str = "sde"
+    # "vllm_omni" (the serving engine) or "diffusers" (the reference engine: where vllm cannot be installed)
+    engine: str = "vllm_omni"
     # True: one request per group with num_outputs_per_prompt = n; False: n requests of one image (comparison)
     batched_groups: bool = True
     # Ray Serve replicas of the rollout engine and the resources of each
@@ -182,6 +185,7 @@ def _check_run(c: RunConfig) -> None:
     _require(r.noise_level >= 0, f"rollout.noise_level={r.noise_level} must be >= 0")
     _require(r.sde_type in ("sde", "cps"), f"rollout.sde_type={r.sde_type!r} must be 'sde' or 'cps'")
     _require(r.guidance_scale >= 1.0, f"rollout.guidance_scale={r.guidance_scale} must be >= 1 (1 disables CFG)")
+    _require(r.engine in ENGINES, f"rollout.engine={r.engine!r} is not one of {list(ENGINES)}")
     _require(r.num_replicas >= 1, f"rollout.num_replicas={r.num_replicas} must be >= 1")
     _require(bool(c.reward.weights), "reward.weights is empty: name at least one reward, e.g. {ocr: 1.0}")
     unknown = sorted(set(c.reward.weights) - set(REWARD_NAMES))

@@ -30,6 +30,7 @@ KNOWN_HARMLESS = [
     (r"does not support torch inductor", "no torch.compile on the CPU platform"),
     (r"NVML init failed", "no NVIDIA driver on a CPU machine"),
     (r"has constructor arguments in the object store and max_restarts > 0", "Ray Train's own PreemptionWatcher"),
+    (r"The text detection result is empty", "RapidOCR found no text: the OCR reward scores such an image 0"),
     (r"replicas that have taken more than \d+s to initialize|This may be caused by a slow __init__",
      "vllm-omni engines take ~40 s to start on 2 CPU cores"),
 ]

@@ -111,7 +111,7 @@ def app_args_from_config(config, *, log_level: str = "INFO") -> FlowGRPOAppArgs:
     """The application a training run deploys, from its RunConfig."""
     m, r, w = config.model, config.rollout, config.reward
     return FlowGRPOAppArgs(
-        model_path=m.path, build_tiny=m.build_tiny, dtype=m.dtype, rollout_replicas=r.num_replicas,
+        model_path=m.path, build_tiny=m.build_tiny, dtype=m.dtype, engine=r.engine, rollout_replicas=r.num_replicas,
         rollout_num_cpus=r.replica_num_cpus, rollout_num_gpus=r.replica_num_gpus,
         rollout_max_ongoing_requests=r.max_ongoing_requests, batched_groups=r.batched_groups,
         reward_weights=dict(w.weights), ocr_detect_min_side=w.ocr_detect_min_side, reward_replicas=w.num_replicas,

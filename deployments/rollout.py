@@ -8,9 +8,8 @@ import os
 import socket
 
 from app.faults import crash_point
+from app.config import ENGINES
 from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
-
-ENGINES = ("vllm_omni", "diffusers")
 
 
 def make_engine(kind: str, model_path: str, *, dtype: str = "float32", batched_groups: bool = True,

@@ -129,7 +129,7 @@ def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None,
         f"  run folder:  {run_dir}{' (resuming)' if resume else ''}",
         f"  cluster:     {cl.address or 'local Ray cluster'}"
         + (f", dashboard http://{dashboard_url}" if dashboard_url else ""),
-        f"  rollout:     {r.num_replicas} vllm-omni replicas; groups of {r.group_size}, {r.width}x{r.height}, "
+        f"  rollout:     {r.engine} engine x {r.num_replicas} replicas; groups of {r.group_size}, {r.width}x{r.height}, "
         f"{r.num_steps} steps, noise level {r.noise_level:g}",
         f"  reward:      {rewards} ({config.reward.num_replicas} replicas)",
         f"  training:    {cl.num_workers} FSDP2 workers ({'GPU, nccl' if cl.use_gpu else 'CPU, gloo'}); {t.num_steps} "

@@ -22,9 +22,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests are deselected on machines without CUDA (reported as deselected, never as passed or skipped)."""
+    """`jobs` tests run first: each starts its own Ray cluster, and the session's cluster and engines (started by
+    later tests, kept to the end) would otherwise idle next to them on the same cores. GPU tests are deselected
+    on machines without CUDA (reported as deselected, never as passed or skipped)."""
     import torch
 
+    items.sort(key=lambda item: item.get_closest_marker("jobs") is None)  # stable: file order otherwise
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]

@@ -59,6 +59,8 @@ def test_gpu_config_needs_its_paths():
     ("train.groups_per_step=3", "divisible by cluster.num_workers"),
     ("train.micro_batch_size=3", "micro_batch_size"),
     ("rollout.noise_level=0", "noise_level"),
+    ("rollout.engine=vllm", "rollout.engine='vllm' is not one of"),
+    ("reward.ocr_detect_min_side=16", "reward.ocr_detect_min_side=16 must be >= 32"),
 ])
 def test_cross_field_checks_say_what_to_change(override, match):
     overrides = [override, "cluster.num_workers=2"] if "divisible" in match else [override]

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 def test_pinned_stack_imports_in_a_fresh_process():
     code = ("import vllm_omni, vllm, ray, diffusers, peft, torch, transformers; "
             "print(vllm.__version__, vllm_omni.__version__, ray.__version__, diffusers.__version__, torch.__version__,"
@@ -33,6 +34,7 @@ def test_shim_installer_follows_the_torch_build(tmp_path, monkeypatch):
     assert not pth.exists()  # on CUDA torch it installs nothing and removes a stale one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["torchvision", "torchaudio"])
 def test_cuda_built_companions_import_next_to_cpu_torch(module):
     done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)

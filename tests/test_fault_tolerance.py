@@ -29,6 +29,8 @@ import pytest
 from app.metrics import read_history
 from job_runs import KilledRun, run_job
 
+pytestmark = [pytest.mark.slow, pytest.mark.jobs]
+
 STEPS = 6
 CRASHES = {"generation": "rollout.generate=5", "publish": "rollout.load_lora=5"}
 KILLS = {2: "ray::ServeReplica:flowgrpo:Reward", 3: "ray::RayTrainWorker"}

@@ -6,6 +6,8 @@ import urllib.request
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a Ray cluster
+
 
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:

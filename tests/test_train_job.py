@@ -11,6 +11,8 @@ import pytest
 
 from job_runs import REPO, history, run_job
 
+pytestmark = [pytest.mark.slow, pytest.mark.jobs]
+
 
 @pytest.mark.parametrize("override, key", [
     ("train.learning_rat=1e-3", "train.learning_rat"),  # unknown key
@@ -74,16 +76,19 @@ def test_tiny_run_writes_checkpoints_logs_and_pictures(tiny_run):
         assert (tiny_run / picture).stat().st_size > 1000
 
 
-def test_kl_off_policy_passes_and_recomputed_old_log_probs_run_under_fsdp2(tmp_path):
+def test_kl_off_policy_passes_and_recomputed_old_log_probs_run_under_fsdp2(tmp_path, tiny_run):
     """The loss terms the tiny config leaves off: β·KL to the adapter-free reference, a second (off-policy,
-    clipped) pass, recomputed old log-probs, a fraction of the timesteps."""
+    clipped) pass, recomputed old log-probs, a fraction of the timesteps. The rollout runs on the diffusers engine,
+    the engine of machines where vllm cannot be installed (and the faster one to start): its first step samples
+    exactly what the vllm-omni replicas of the tiny run sampled."""
     run_dir = tmp_path / "run"
     done = run_job(f"logging.dir={run_dir}", "train.num_steps=2", "train.kl_beta=0.5", "train.num_inner_epochs=2",
                    "train.timestep_fraction=0.5", "train.old_logprob=recompute", "train.checkpoint_every=0",
-                   "rollout.num_replicas=1", "reward.num_replicas=1")  # one of each starts faster
+                   "rollout.engine=diffusers", "rollout.num_replicas=1", "reward.num_replicas=1")
     assert done.returncode == 0, done.stderr[-4000:]
     records = history(run_dir)
-    assert len(records) == 2
+    assert len(records) == 2 and "rollout:     diffusers engine" in done.stdout
+    assert records[0]["reward/mean"] == history(tiny_run)[0]["reward/mean"]  # the base model: same images
     for r in records:
         assert all(math.isfinite(v) for v in r.values())
         assert r["rollout/logprob_mismatch_max"] <= 1e-5 and r["actor/ratio_dev_first_pass_max"] <= 1e-5

@@ -18,6 +18,8 @@ from PIL import Image, ImageDraw, ImageFont
 
 from app.rollout.types import GenerationRequest
 
+pytestmark = pytest.mark.slow  # a Ray cluster and Serve
+
 APP = "flowgrpo"
 SCHEMATHESIS = str(Path(sys.executable).with_name("schemathesis"))
 

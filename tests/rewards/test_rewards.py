@@ -9,9 +9,9 @@ from app.rewards.jpeg import JpegCompressibilityReward, jpeg_kb
 from app.rewards.ocr import OcrReward, ocr_score, target_text
 
 
-def render(text: str, size=(256, 96)) -> np.ndarray:
+def render(text: str, size=(256, 96), font_size: int = 40) -> np.ndarray:
     image = Image.new("RGB", size, "white")
-    ImageDraw.Draw(image).text((10, 20), text, fill="black", font=ImageFont.load_default(size=40))
+    ImageDraw.Draw(image).text((10, 20), text, fill="black", font=ImageFont.load_default(size=font_size))
     return np.asarray(image)
 
 
@@ -30,6 +30,16 @@ def test_ocr_scores_matching_text_high_other_text_lower_noise_zero(ocr):
     assert scores[0] >= 0.9
     assert scores[2] < scores[1] < scores[0]
     assert scores[3] == 0.0
+
+
+def test_a_smaller_detector_side_reads_the_same_text_from_small_images(ocr):
+    """The tiny config's `reward.ocr_detect_min_side: 64`: its 64 px images are not enlarged to RapidOCR's 736
+    before detection, and text the default setting reads is still read."""
+    small = OcrReward(detect_min_side=64)
+    images = [render("OPEN", size=(64, 64), font_size=16), render("OPEN 24H"), noise((64, 64))]
+    assert [small.read(im) for im in images] == [ocr.read(im) for im in images] == ["OPEN", "OPEN 24H", ""]
+    with pytest.raises(ValueError, match="at least 32"):
+        OcrReward(detect_min_side=16)
 
 
 def test_ocr_score_by_hand():

@@ -30,6 +30,7 @@ def test_bad_value_says_what_to_use(monkeypatch):
         cpu_plugin.cpu_platform_active()
 
 
+@pytest.mark.slow
 def test_installed_entry_points_resolve_in_a_fresh_process():
     code = ("from vllm_omni.platforms import current_omni_platform as p; from vllm.platforms import current_platform"
             " as v; print(type(p).__name__, type(v).__name__)")

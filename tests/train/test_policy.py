@@ -113,6 +113,7 @@ def fsdp_update(cfg: dict) -> None:
     ray.train.report({})
 
 
+@pytest.mark.slow
 def test_fsdp2_update_on_two_workers_matches_an_unsharded_float64_step(ray_cluster, tiny_model_dir, adapter,
                                                                         rollout, tmp_path):
     import ray.cloudpickle
