@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+PROGRESS = re.compile(r"\[flowgrpo\] step (\d+)/")  # rank 0's line at the end of each step
 
 
 def free_port() -> int:
@@ -44,19 +46,33 @@ def processes_titled(title: str, root: int) -> list[psutil.Process]:
         try:
             if " ".join(proc.cmdline()).startswith(title):
                 found.append(proc)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        except psutil.Error:  # gone (or going) since it was listed
             pass
     return sorted(found, key=lambda p: p.pid)
+
+
+def kill_first(title: str, root: int) -> str | None:
+    """SIGKILL the first live descendant of `root` titled `title`; "pid title" of it, None if there was none."""
+    for victim in processes_titled(title, root):
+        try:
+            described = f"{victim.pid} {' '.join(victim.cmdline())}"
+            victim.send_signal(signal.SIGKILL)
+            return described
+        except psutil.Error:  # exited between listing and killing: the next one
+            continue
+    return None
 
 
 class KilledRun:
     """The job in a subprocess; when rank 0 prints the progress line of step k, the first process titled
     `kills[k]` (a Serve replica, a Ray Train worker) is killed with SIGKILL: it vanishes as a crashed or preempted
-    process does, with no chance to clean up."""
+    process does, with no chance to clean up. (Should none be alive then, at the next progress line; `missed`
+    says why a kill waited or never happened.)"""
 
     def __init__(self, *args: str, kills: dict[int, str] | None = None, env: dict | None = None):
         self.kills = dict(kills or {})
         self.killed: dict[int, str] = {}  # step -> "pid title" of what was killed
+        self.missed: dict[int, str] = {}  # step -> why nothing was killed
         self.lines: list[str] = []
         self.job = subprocess.Popen(job_command(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -64,12 +80,18 @@ class KilledRun:
     def _watch(self) -> None:
         for line in self.job.stdout:
             self.lines.append(line)
+            progress = PROGRESS.search(line)
             for step, title in self.kills.items():
-                if step not in self.killed and f"[flowgrpo] step {step}/" in line:
-                    for victim in processes_titled(title, self.job.pid)[:1]:
-                        described = f"{victim.pid} {' '.join(victim.cmdline())}"
-                        os.kill(victim.pid, signal.SIGKILL)
-                        self.killed[step] = described
+                if step in self.killed or progress is None or int(progress.group(1)) < step:
+                    continue
+                try:  # at step k's line, or a later one should no such process be alive then
+                    victim = kill_first(title, self.job.pid)
+                except Exception as err:  # noqa: BLE001 - reported by the test, never a silent dead watcher
+                    victim, self.missed[step] = None, f"{type(err).__name__}: {err}"
+                if victim is None:
+                    self.missed.setdefault(step, f"no live process titled {title!r}")
+                else:
+                    self.killed[step] = victim
 
     def wait(self, timeout: float = 900) -> int:
         watcher = threading.Thread(target=self._watch, daemon=True)
