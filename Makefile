@@ -1,12 +1,12 @@
-# `make setup` builds .venv with everything the project needs (idempotent); `make test` runs the whole suite (CI);
-# `make test-fast` leaves out the tests marked slow (well under two minutes); `make train` runs the main job on the
-# tiny CPU config.
+# `make setup` builds .venv with everything the project needs (idempotent); `make test` runs `make lint`, then the
+# whole suite (CI); `make test-fast` leaves out the tests marked slow (well under two minutes); `make train` runs
+# the main job on the tiny CPU config.
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-fast train tiny-models clean-venv
+.PHONY: setup lint test test-fast train tiny-models clean-venv
 
 setup: $(STAMP)
 
@@ -20,7 +20,11 @@ $(STAMP): pyproject.toml app/platform/cpu_torch_shim.py
 	@touch $(STAMP)
 	@echo "setup: done ($(VENV))"
 
-test: setup
+# ruff: pyflakes, pycodestyle, import order, bugbear, pyupgrade (pyproject.toml [tool.ruff])
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
 	$(PY) -m pytest
 
 test-fast: setup

@@ -9,17 +9,50 @@ an error that names the key. `???` marks a value every run must set. Derived siz
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from app.image_size import side_problem
 from app.rewards.composite import REWARD_NAMES
 
-MODEL_FAMILIES = ("qwen_image",)
-DTYPES = ("float32", "bfloat16", "float16")
-ENGINES = ("vllm_omni", "diffusers")  # what a rollout replica runs (`rollout.engine`)
+
+# Enumerated choices: OmegaConf refuses any other value and names the key; members compare equal to their strings.
+class ModelFamily(StrEnum):
+    qwen_image = "qwen_image"
+
+
+class DType(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Engine(StrEnum):
+    """What a rollout replica runs: vllm-omni, or the reference engine of the family (where vllm is not installed)."""
+
+    vllm_omni = "vllm_omni"
+    diffusers = "diffusers"
+
+
+class SdeType(StrEnum):
+    """The samplers of app/algo/sde.py (its SDE_TYPES)."""
+
+    sde = "sde"
+    cps = "cps"
+
+
+class AdvStdMode(StrEnum):
+    group = "group"  # GRPO: each prompt group's own std
+    batch = "batch"  # FlowGRPO global_std: the std of the whole step's rewards
+
+
+class OldLogprob(StrEnum):
+    rollout = "rollout"  # as the engine recorded them
+    recompute = "recompute"  # one extra forward of the current policy
 
 
 class ConfigError(ValueError):
@@ -29,7 +62,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     # model family adapter in app/models/ (how prompts are encoded and latents packed)
-    family: str = "qwen_image"
+    family: ModelFamily = ModelFamily.qwen_image
     # diffusers-layout checkpoint folder (model_index.json at its root)
     path: str = MISSING
     # build a deterministic tiny random checkpoint at `path` when it is absent (tests, CPU demo); never downloads
@@ -37,7 +70,7 @@ class ModelConfig:
     # seed of the tiny checkpoint (only with build_tiny)
     tiny_seed: int = 0
     # compute dtype of the transformer for rollout and training; the SDE math is fp32 regardless
-    dtype: str = "bfloat16"
+    dtype: DType = DType.bfloat16
     # LoRA of the transformer trained by FlowGRPO
     lora_rank: int = 32
     lora_alpha: int = 64
@@ -52,17 +85,17 @@ class RolloutConfig:
     group_size: int = 8
     height: int = 512
     width: int = 512
-    # denoising steps of a rollout (T)
-    num_steps: int = 10
+    # denoising steps of a rollout (T), as diffusers and vllm-omni name them
+    num_inference_steps: int = 10
     # true CFG scale (Qwen-Image `true_cfg_scale`); 1.0 disables CFG and the negative prompt
     guidance_scale: float = 1.0
     negative_prompt: str = " "
     # η: SDE noise level of the sampler; 0 is the deterministic ODE (nothing to train on)
     noise_level: float = 0.7
     # "sde" (FlowGRPO) or "cps" (coefficient-preserving sampling)
-    sde_type: str = "sde"
+    sde_type: SdeType = SdeType.sde
     # "vllm_omni" (the serving engine) or "diffusers" (the reference engine: where vllm cannot be installed)
-    engine: str = "vllm_omni"
+    engine: Engine = Engine.vllm_omni
     # True: one request per group with num_outputs_per_prompt = n; False: n requests of one image (comparison)
     batched_groups: bool = True
     # Ray Serve replicas of the rollout engine and the resources of each
@@ -101,7 +134,7 @@ class TrainConfig:
     # β of the KL to the reference policy (the transformer with the adapter disabled)
     kl_beta: float = 0.04
     # advantages: "group" std (GRPO) or "batch" std (FlowGRPO global_std); clipped to ±adv_clip_max
-    adv_std_mode: str = "group"
+    adv_std_mode: AdvStdMode = AdvStdMode.group
     adv_clip_max: float = 5.0
     # fraction of the T denoising steps trained per sample (FlowGRPO timestep_fraction)
     timestep_fraction: float = 1.0
@@ -110,7 +143,7 @@ class TrainConfig:
     # samples of one prompt group per forward/backward on one worker (divides rollout.group_size)
     micro_batch_size: int = 4
     # old log-probs: "rollout" (as returned by the engine) or "recompute" (one extra forward)
-    old_logprob: str = "rollout"
+    old_logprob: OldLogprob = OldLogprob.rollout
     # score "cps" and the KL as flow_grpo / verl-omni do (to reproduce their runs); see app/algo/sde.py
     flow_grpo_compat: bool = False
     # seeds the LoRA init, prompt order, rollout noise and trained timesteps: a run is reproducible from it
@@ -133,7 +166,6 @@ class DataConfig:
 class LoggingConfig:
     # run folder: tensorboard events, checkpoints, image grids, reward curve
     dir: str = "runs/default"
-    log_every: int = 1
     image_every: int = 10
     # false: the console shows the start-up summary, one line per step and the final summary (errors and real
     # warnings too); true: also Ray Train's per-report dicts and the INFO logs of Ray, Serve, vllm and vllm-omni
@@ -173,30 +205,24 @@ def _require(ok: bool, message: str) -> None:
 
 def _check_run(c: RunConfig) -> None:
     m, r, t, cl = c.model, c.rollout, c.train, c.cluster
-    _require(m.family in MODEL_FAMILIES, f"model.family={m.family!r} is not one of {MODEL_FAMILIES}")
-    _require(m.dtype in DTYPES, f"model.dtype={m.dtype!r} is not one of {DTYPES}")
     _require(m.lora_rank >= 1, f"model.lora_rank={m.lora_rank} must be >= 1")
     _require(r.group_size >= 2, f"rollout.group_size={r.group_size} must be >= 2: advantages compare a group's images")
     for name in ("height", "width"):
         value = getattr(r, name)
-        _require(value >= 16 and value % 16 == 0,
-                 f"rollout.{name}={value} must be a positive multiple of 16 (the VAE's 8x and 2x2 patching)")
-    _require(r.num_steps >= 2, f"rollout.num_steps={r.num_steps} must be >= 2 (one step divides by zero)")
+        problem = side_problem(value)
+        _require(problem is None, f"rollout.{name}={value} {problem}")
+    _require(r.num_inference_steps >= 2,
+             f"rollout.num_inference_steps={r.num_inference_steps} must be >= 2 (one step divides by zero)")
     _require(r.noise_level >= 0, f"rollout.noise_level={r.noise_level} must be >= 0")
-    _require(r.sde_type in ("sde", "cps"), f"rollout.sde_type={r.sde_type!r} must be 'sde' or 'cps'")
     _require(r.guidance_scale >= 1.0, f"rollout.guidance_scale={r.guidance_scale} must be >= 1 (1 disables CFG)")
-    _require(r.engine in ENGINES, f"rollout.engine={r.engine!r} is not one of {list(ENGINES)}")
     _require(r.num_replicas >= 1, f"rollout.num_replicas={r.num_replicas} must be >= 1")
     _require(bool(c.reward.weights), "reward.weights is empty: name at least one reward, e.g. {ocr: 1.0}")
     unknown = sorted(set(c.reward.weights) - set(REWARD_NAMES))
     _require(not unknown, f"reward.weights names unknown rewards {unknown}: known are {list(REWARD_NAMES)}")
     _require(c.reward.ocr_detect_min_side >= 32,
-             f"reward.ocr_detect_min_side={c.reward.ocr_detect_min_side} must be >= 32 (the OCR detector's smallest input)")
+             f"reward.ocr_detect_min_side={c.reward.ocr_detect_min_side} must be >= 32 (the OCR detector's least)")
     _require(r.request_retries >= 0, f"rollout.request_retries={r.request_retries} must be >= 0")
     _require(t.max_failures >= -1, f"train.max_failures={t.max_failures} must be >= 0 (or -1: no limit)")
-    _require(t.adv_std_mode in ("group", "batch"), f"train.adv_std_mode={t.adv_std_mode!r} must be 'group' or 'batch'")
-    _require(t.old_logprob in ("rollout", "recompute"),
-             f"train.old_logprob={t.old_logprob!r} must be 'rollout' or 'recompute'")
     _require(0 < t.timestep_fraction <= 1, f"train.timestep_fraction={t.timestep_fraction} must be in (0, 1]")
     _require(t.clip_range > 0, f"train.clip_range={t.clip_range} must be > 0")
     _require(t.kl_beta >= 0, f"train.kl_beta={t.kl_beta} must be >= 0")

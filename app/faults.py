@@ -7,7 +7,7 @@ makes the first process that loads adapter version 3 die, and the first that sta
 marker file is created atomically by the process that crashes, so exactly one process crashes once per marker,
 whichever replica gets there first. Points that
 exist: `rollout.load_lora` (key: the adapter version being loaded) and `rollout.generate` (key: the group's
-`prompt_id`). The tests kill from outside too (SIGKILL of a replica or worker when a step's line prints); these
+`group_id`). The tests kill from outside too (SIGKILL of a replica or worker when a step's line prints); these
 points are for moments too short or too uncertain to hit from outside: the LoRA publish takes tens of
 milliseconds, and a replica must have groups in flight when it dies. Unset (always, outside tests): nothing
 happens.

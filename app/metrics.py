@@ -75,7 +75,7 @@ def labelled_grid(images: np.ndarray, prompts: list[str], rewards: list[dict[str
     header = line + pad
     canvas = Image.new("RGB", (pad + cols * (cell_w + pad), rows * (header + cell_h) + pad), "white")
     draw = ImageDraw.Draw(canvas)
-    for r, (prompt, scores) in enumerate(zip(prompts, rewards)):
+    for r, (prompt, scores) in enumerate(zip(prompts, rewards, strict=True)):
         top = pad + r * (header + cell_h)
         draw.text((pad, top), _fit(draw, f"{r + 1}. {prompt}", font, canvas.width - 2 * pad), fill="black",
                   font=font)
@@ -131,7 +131,7 @@ def plot_reward_curve(history: list[dict], path: str | Path) -> Path:
     axes[0, 0].plot(steps, mean, marker="o", markersize=3)
     axes[0, 0].fill_between(steps, mean - std, mean + std, alpha=0.2)
     axes[0, 0].set_ylabel("reward (total)")
-    for ax, name in zip(axes[1:, 0], components):
+    for ax, name in zip(axes[1:, 0], components, strict=True):
         ax.plot(steps, [r.get(f"reward/{name}/mean", np.nan) for r in history], marker="o", markersize=3,
                 color="tab:orange")
         ax.set_ylabel(name, fontsize=8)

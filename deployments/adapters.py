@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ray
 
-from app.rollout.types import LoraAdapter
+from app.types import LoraAdapter
 
 
 class AdapterStore:

@@ -25,7 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.rollout.types import MAX_SEED, GenerationRequest, Trajectory
+from app.image_size import side_problem
+from app.types import MAX_SEED, GenerationRequest, Trajectory
 
 
 class ApiLimits(BaseModel):
@@ -156,8 +157,8 @@ class ApiIngress:
             raise ApiError(400, f"n={body.n} is more than this deployment's limit of {lim.max_n}", "n")
         width, height = (int(v) for v in (body.size or d.size).split("x"))
         for name, value in (("width", width), ("height", height)):
-            if value < 16 or value % 16:
-                raise ApiError(400, f"size={body.size!r}: {name} {value} must be a positive multiple of 16", "size")
+            if problem := side_problem(value):
+                raise ApiError(400, f"size={body.size!r}: {name} {value} {problem}", "size")
             if value > lim.max_side:
                 raise ApiError(400, f"size={body.size!r}: {name} {value} is over the limit of {lim.max_side}", "size")
         steps = body.num_inference_steps or d.num_inference_steps
@@ -167,7 +168,8 @@ class ApiIngress:
         guidance = body.guidance if body.guidance is not None else d.guidance
         try:
             return GenerationRequest(
-                prompt=body.prompt, n=body.n, height=height, width=width, num_steps=steps, guidance_scale=guidance,
+                prompt=body.prompt, n=body.n, height=height, width=width, num_inference_steps=steps,
+                guidance_scale=guidance,
                 negative_prompt=(body.negative_prompt if body.negative_prompt is not None else d.negative_prompt)
                 if guidance > 1 else None,
                 noise_level=body.noise_level if body.noise_level is not None else d.noise_level,

@@ -18,7 +18,8 @@ from ray.serve import Application
 from app.console import replica_env
 from app.rewards.ocr import DETECT_MIN_SIDE
 from deployments.adapters import AdapterStore
-from deployments.api import ApiIngress, ApiLimits, GenerationDefaults, app as fastapi_app
+from deployments.api import ApiIngress, ApiLimits, GenerationDefaults
+from deployments.api import app as fastapi_app
 from deployments.reward import RewardScorer
 from deployments.rollout import RolloutReplica
 
@@ -116,8 +117,8 @@ def app_args_from_config(config, *, log_level: str = "INFO") -> FlowGRPOAppArgs:
         rollout_max_ongoing_requests=r.max_ongoing_requests, batched_groups=r.batched_groups,
         reward_weights=dict(w.weights), ocr_detect_min_side=w.ocr_detect_min_side, reward_replicas=w.num_replicas,
         reward_num_cpus=w.replica_num_cpus, log_level=log_level,
-        defaults=GenerationDefaults(size=f"{r.width}x{r.height}", num_inference_steps=r.num_steps,
+        defaults=GenerationDefaults(size=f"{r.width}x{r.height}", num_inference_steps=r.num_inference_steps,
                                     noise_level=r.noise_level, sde_type=r.sde_type, guidance=r.guidance_scale,
                                     negative_prompt=r.negative_prompt),
         limits=ApiLimits(max_n=max(16, r.group_size), max_side=max(1024, r.height, r.width),
-                         max_steps=max(50, r.num_steps)))
+                         max_steps=max(50, r.num_inference_steps)))

@@ -7,9 +7,9 @@ import asyncio
 import os
 import socket
 
+from app.config import Engine
 from app.faults import crash_point
-from app.config import ENGINES
-from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
+from app.types import GenerationRequest, LoraAdapter, Trajectory
 
 
 def make_engine(kind: str, model_path: str, *, dtype: str = "float32", batched_groups: bool = True,
@@ -22,7 +22,7 @@ def make_engine(kind: str, model_path: str, *, dtype: str = "float32", batched_g
         from app.rollout.diffusers_engine import DiffusersEngine
 
         return DiffusersEngine(model_path, dtype=dtype)
-    raise ValueError(f"engine={kind!r} is not one of {ENGINES}")
+    raise ValueError(f"engine={kind!r} is not one of {[e.value for e in Engine]}")
 
 
 def _replica_id() -> str:
@@ -64,7 +64,7 @@ class RolloutReplica:
             if wanted != self.engine.lora_version:
                 raise AdapterUnavailable(f"the group asks for adapter version {wanted}; replica {self.replica_id} "
                                          f"serves {self.engine.lora_version}, the same as the adapter store")
-        crash_point("rollout.generate", request.prompt_id)  # tests only: a replica dying mid-generation
+        crash_point("rollout.generate", request.group_id)  # tests only: a replica dying mid-generation
         traj = await self.engine.generate(request)
         traj.producer["replica"] = self.replica_id
         return traj

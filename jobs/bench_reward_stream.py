@@ -14,8 +14,8 @@ import sys
 import time
 
 from app.config import load
+from app.types import GenerationRequest
 from jobs.report import emit_json_line
-from app.rollout.types import GenerationRequest
 
 PROMPTS = ['a sign that says "OPEN"', 'a poster that says "RAY"', 'text reading "HELLO"', 'a neon sign "GRPO"']
 
@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from deployments.builders import APP_NAME, app_args_from_config, build_app
     from app.rollout.client import RolloutClient
+    from deployments.builders import APP_NAME, app_args_from_config, build_app
     from deployments.client import handles
 
     ray.init(address=config.cluster.address, include_dashboard=False, log_to_driver=False)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     client = RolloutClient(*handles(APP_NAME))
     ro = config.rollout
     requests = [GenerationRequest(PROMPTS[i % len(PROMPTS)], n=ro.group_size, height=ro.height, width=ro.width,
-                                  num_steps=ro.num_steps, noise_level=ro.noise_level, seed=i)
+                                  num_inference_steps=ro.num_inference_steps, noise_level=ro.noise_level, seed=i)
                 for i in range(args.groups)]
 
     async def bench() -> dict:

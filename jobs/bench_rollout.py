@@ -19,10 +19,10 @@ import torch
 from tqdm import tqdm
 
 from app.config import load
-from jobs.report import emit_json_line
 from app.models.tiny import build_tiny_qwen_image
-from app.rollout.types import GenerationRequest
 from app.rollout.vllm_omni.engine import VllmOmniEngine
+from app.types import GenerationRequest
+from jobs.report import emit_json_line
 
 PROMPTS = ['a sign that says "OPEN"', "a red cube on a blue table", "a photo of a cat", 'text reading "HELLO"']
 
@@ -44,7 +44,8 @@ async def bench(config, groups: int, repeats: int) -> dict:
     engine = VllmOmniEngine(config.model.path, dtype=config.model.dtype)
     await engine.start()
     requests = [GenerationRequest(PROMPTS[i % len(PROMPTS)], n=ro.group_size, height=ro.height, width=ro.width,
-                                  num_steps=ro.num_steps, noise_level=ro.noise_level, sde_type=ro.sde_type, seed=i)
+                                  num_inference_steps=ro.num_inference_steps, noise_level=ro.noise_level,
+                                  sde_type=ro.sde_type, seed=i)
                 for i in range(groups)]
     images = groups * ro.group_size
     await engine.generate(requests[0])  # warm-up: first-call allocations
@@ -58,7 +59,7 @@ async def bench(config, groups: int, repeats: int) -> dict:
     return {
         "bench": "rollout", "engine": engine.kind, "device": "cuda" if torch.cuda.is_available() else "cpu",
         "torch_threads": torch.get_num_threads(), "group_size": ro.group_size, "groups": groups,
-        "size": f"{ro.width}x{ro.height}", "steps": ro.num_steps,
+        "size": f"{ro.width}x{ro.height}", "steps": ro.num_inference_steps,
         "batched_images_per_s": round(images / batched, 2),
         "per_sample_images_per_s": round(images / per_sample, 2),
         "batched_over_per_sample": round(per_sample / batched, 2),

@@ -67,7 +67,7 @@ def start_ray(config: RunConfig):
     verbose = config.logging.verbose
     console.set_driver_env(verbose)  # read when ray is imported
     import ray
-    import ray.serve  # noqa: F401  (configures Serve's logger when imported: quiet it after)
+    import ray.serve  # configures Serve's logger when imported: quiet it after
 
     console.quiet_this_process(verbose)
     # workers started by a local cluster inherit this environment; an existing cluster keeps its own
@@ -129,8 +129,9 @@ def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None,
         f"  run folder:  {run_dir}{' (resuming)' if resume else ''}",
         f"  cluster:     {cl.address or 'local Ray cluster'}"
         + (f", dashboard http://{dashboard_url}" if dashboard_url else ""),
-        f"  rollout:     {r.engine} engine x {r.num_replicas} replicas; groups of {r.group_size}, {r.width}x{r.height}, "
-        f"{r.num_steps} steps, noise level {r.noise_level:g}",
+        f"  rollout:     {r.engine} engine x {r.num_replicas} replicas; groups of {r.group_size}, "
+        f"{r.width}x{r.height}, "
+        f"{r.num_inference_steps} steps, noise level {r.noise_level:g}",
         f"  reward:      {rewards} ({config.reward.num_replicas} replicas)",
         f"  training:    {cl.num_workers} FSDP2 workers ({'GPU, nccl' if cl.use_gpu else 'CPU, gloo'}); {t.num_steps} "
         f"steps of {t.groups_per_step} groups; LoRA rank {m.lora_rank}, lr {t.learning_rate:g}; a checkpoint every "

@@ -53,13 +53,13 @@ def test_gpu_config_needs_its_paths():
 
 @pytest.mark.parametrize("override,match", [
     ("rollout.height=100", "multiple of 16"),
-    ("rollout.num_steps=1", "num_steps"),
+    ("rollout.num_inference_steps=1", "num_inference_steps"),
     ("rollout.group_size=1", "group_size"),
     ("rollout.sde_type=ddim", "sde_type"),
     ("train.groups_per_step=3", "divisible by cluster.num_workers"),
     ("train.micro_batch_size=3", "micro_batch_size"),
     ("rollout.noise_level=0", "noise_level"),
-    ("rollout.engine=vllm", "rollout.engine='vllm' is not one of"),
+    ("rollout.engine=vllm", "'rollout.engine': Invalid value 'vllm', expected one of \\[vllm_omni, diffusers\\]"),
     ("reward.ocr_detect_min_side=16", "reward.ocr_detect_min_side=16 must be >= 32"),
 ])
 def test_cross_field_checks_say_what_to_change(override, match):
@@ -108,3 +108,12 @@ def test_fault_tolerance_and_console_settings_have_safe_defaults():
     assert cfg.train.max_failures >= 1 and cfg.rollout.request_retries >= 1 and cfg.logging.verbose is False
     with pytest.raises(ConfigError, match="rollout.request_retries"):
         load(CONFIGS / "tiny_cpu.yaml", ["rollout.request_retries=-1"])
+
+
+def test_enumerated_choices_are_the_library_s_own():
+    from app.algo.sde import SDE_TYPES
+    from app.config import SdeType
+
+    assert tuple(SdeType) == SDE_TYPES
+    cfg = load(CONFIGS / "tiny_cpu.yaml", ["rollout.sde_type=cps", "rollout.engine=diffusers"])
+    assert cfg.rollout.sde_type == "cps" and f"{cfg.rollout.engine}" == "diffusers"

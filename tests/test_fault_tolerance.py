@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from job_runs import KilledRun, run_job
 
 from app.metrics import read_history
-from job_runs import KilledRun, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 
@@ -103,7 +103,7 @@ def test_a_stopped_run_resumed_from_its_folder_continues_as_the_uninterrupted_on
     assert f"continuing from the checkpoint of step {STEPS}" in again.stdout + again.stderr
     resumed, uninterrupted = read_history(run_dir), read_history(tiny_run)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 3))
-    for r, u in zip(resumed[STEPS:], uninterrupted[STEPS:STEPS + 2]):
+    for r, u in zip(resumed[STEPS:], uninterrupted[STEPS:STEPS + 2], strict=True):
         assert r["reward/mean"] == u["reward/mean"]  # sampled by the restored adapter, prompts and seeds
         assert r["actor/grad_norm"] == pytest.approx(u["actor/grad_norm"], rel=1e-6)
         assert r["rollout/staleness_max"] == 0 and r["rollout/adapter_version"] == r["step"]

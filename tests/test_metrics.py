@@ -59,5 +59,6 @@ def test_step_metrics_are_exported_to_prometheus(ray_cluster):
         seen, text = exported(ray.nodes()[0]["MetricsExportPort"])
     finally:
         ray.kill(worker)  # the session's cluster outlives this test
-    assert seen == pytest.approx(EXPECTED), [l for l in text.splitlines() if l.startswith("ray_flowgrpo_")]
+    assert seen == pytest.approx(EXPECTED), [line for line in text.splitlines()
+                                                 if line.startswith("ray_flowgrpo_")]
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from job_runs import REPO, history, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]

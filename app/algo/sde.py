@@ -28,7 +28,8 @@ Their KL also divides by `noise_scale`² (g², without the sqrt(−dt) factor) i
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 

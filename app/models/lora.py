@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from app.rollout.types import LoraAdapter
+from app.types import LoraAdapter
 
 ADAPTER_NAME = "flowgrpo"
+PEFT_PREFIX = "base_model.model."  # peft's wrapper prefix
+PIPELINE_PREFIX = "transformer."  # a diffusers pipeline's component prefix (its LoRA files, full weights)
+
+
+def transformer_key(key: str) -> str:
+    """A tensor name relative to the transformer: without peft's or the pipeline's prefix, in whichever form the
+    name arrived (every place that receives LoRA or weight names starts here)."""
+    return key.removeprefix(PEFT_PREFIX).removeprefix(PIPELINE_PREFIX)
 
 
 def attach_lora(transformer, adapter: LoraAdapter, adapter_name: str = ADAPTER_NAME, *, create: bool = True) -> None:
@@ -19,7 +27,7 @@ def attach_lora(transformer, adapter: LoraAdapter, adapter_name: str = ADAPTER_N
             raise ValueError(f"the transformer has no adapter named {adapter_name!r}")
         transformer.add_adapter(LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha,
                                            target_modules=list(adapter.target_modules)), adapter_name)
-    tensors = {k.removeprefix("base_model.model.").removeprefix("transformer."): v for k, v in adapter.tensors.items()}
+    tensors = {transformer_key(k): v for k, v in adapter.tensors.items()}
     result = set_peft_model_state_dict(transformer, tensors, adapter_name=adapter_name)
     if result.unexpected_keys:
         raise ValueError(f"LoRA tensors do not match the transformer: {result.unexpected_keys[:3]}")

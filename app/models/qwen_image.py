@@ -18,7 +18,7 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from app.algo.sde import SDEStepOutput, sde_step
-from app.rollout.types import Trajectory
+from app.types import Trajectory
 
 VAE_SCALE_FACTOR = 8  # 2 ** len(temperal_downsample) of the Qwen-Image VAE
 PATCH = 2  # latents are packed 2x2 into tokens
@@ -38,7 +38,7 @@ def img_shapes(batch: int, height: int, width: int, vae_scale_factor: int = VAE_
     return [[(1, *latent_grid(height, width, vae_scale_factor))]] * batch
 
 
-def schedule(scheduler, num_steps: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def schedule(scheduler, num_inference_steps: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(timesteps [T], sigmas [T+1]) of a `FlowMatchEulerDiscreteScheduler` for this many steps and tokens.
 
     Uses a copy, so the caller's scheduler keeps its state. sigmas[0] = 1 and sigmas[T] = 0.
@@ -47,7 +47,7 @@ def schedule(scheduler, num_steps: int, seq_len: int) -> tuple[torch.Tensor, tor
     cfg = sched.config
     mu = calculate_shift(seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                           cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
-    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_inference_steps, num_inference_steps), mu=mu, device="cpu")
     return sched.timesteps.float(), sched.sigmas.float()
 
 
@@ -133,8 +133,8 @@ def score_steps(
                                              dtype)
     outputs = []
     for i in steps:
-        if not 0 <= i < traj.num_steps:
-            raise ValueError(f"step {i} is outside the trajectory's {traj.num_steps} steps")
+        if not 0 <= i < traj.num_inference_steps:
+            raise ValueError(f"step {i} is outside the trajectory's {traj.num_inference_steps} steps")
         x = traj.latents[idx, i].to(device=device, dtype=dtype)  # [B, L, 4C] as the rollout fed it
         v = velocity(transformer, x, traj.timesteps[i].to(device), embeds, mask, shapes,
                      guidance_scale=traj.guidance_scale, negative_prompt_embeds=neg_embeds,

@@ -63,7 +63,8 @@ def _train_tokenizer(vocab_size: int = 1024):
     bpe.train_from_iterator(_CORPUS, trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, bos_token=None,
+                               eos_token="<|im_end|>",
                                pad_token="<|endoftext|>", errors="replace")
     tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:]})
     return tokenizer

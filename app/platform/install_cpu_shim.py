@@ -1,4 +1,5 @@
-"""Install (CPU-only torch) or remove (CUDA torch) the torchvision/torchaudio import hook in this interpreter's site-packages.
+"""Install (CPU-only torch) or remove (CUDA torch) the torchvision/torchaudio import hook in this interpreter's
+site-packages.
 
 Run by `make setup`: `python -m app.platform.install_cpu_shim`. Idempotent; prints what it did.
 """

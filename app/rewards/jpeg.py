@@ -4,7 +4,7 @@ simpler images, score higher; a tiny random model can learn it on a CPU in a few
 from __future__ import annotations
 
 import io
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image

@@ -10,7 +10,7 @@ its wheel (no download); edit distance: rapidfuzz.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from rapidfuzz.distance import Levenshtein
@@ -61,4 +61,4 @@ class OcrReward:
         return " ".join(result.txts or ()) if result is not None else ""
 
     def score(self, images: np.ndarray, prompts: Sequence[str]) -> list[float]:
-        return [ocr_score(self.read(im), target_text(p)) for im, p in zip(images, prompts)]
+        return [ocr_score(self.read(im), target_text(p)) for im, p in zip(images, prompts, strict=True)]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ray.exceptions import RayActorError
 
 from app.rewards import RewardScores
-from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
+from app.types import GenerationRequest, LoraAdapter, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def checked_scores(scores, n: int) -> RewardScores:
 
 
 def _describe(request: GenerationRequest) -> str:
-    return f"group {request.prompt_id} ({request.prompt!r})"
+    return f"group {request.group_id} ({request.prompt!r})"
 
 
 def _short(err: BaseException) -> str:
@@ -120,7 +120,7 @@ class RolloutClient:
             scores = await asyncio.gather(*[self.reward.score.remote(t.images, [t.prompt] * t.group_size)
                                             for t in trajs])
             groups = [ScoredGroup(i, t, checked_scores(s, t.group_size), arrived, time.perf_counter())
-                      for i, (t, s) in enumerate(zip(trajs, scores))]
+                      for i, (t, s) in enumerate(zip(trajs, scores, strict=True))]
         return sorted(groups, key=lambda g: g.index)
 
     async def publish(self, adapter: LoraAdapter | None) -> Publication:

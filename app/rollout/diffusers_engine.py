@@ -19,9 +19,9 @@ import torch
 
 from app.algo.sde import sde_step
 from app.models import qwen_image
-from app.models.lora import ADAPTER_NAME, attach_lora
+from app.models.lora import ADAPTER_NAME, attach_lora, transformer_key
 from app.rollout.seeding import draw_seed, sample_generators
-from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
+from app.types import GenerationRequest, LoraAdapter, Trajectory
 
 
 class DiffusersEngine:
@@ -71,13 +71,16 @@ class DiffusersEngine:
         generators = sample_generators(seed, request.sample_offset, n)
         x = qwen_image.initial_latents(generators, pipe.transformer.config.in_channels // 4, request.height,
                                        request.width, embeds.dtype, self.device)  # [n, L, 4C]
-        timesteps, sigmas = qwen_image.schedule(pipe.scheduler, request.num_steps, x.shape[1])
+        timesteps, sigmas = qwen_image.schedule(pipe.scheduler, request.num_inference_steps, x.shape[1])
         shapes = qwen_image.img_shapes(n, request.height, request.width)
-        batch = lambda e, m: (e.unsqueeze(0).expand(n, -1, -1), m.unsqueeze(0).expand(n, -1))  # noqa: E731
+
+        def batch(e, m):  # the group shares one prompt: [S, D] -> [n, S, D] views
+            return e.unsqueeze(0).expand(n, -1, -1), m.unsqueeze(0).expand(n, -1)
+
         pos_e, pos_m = batch(embeds, mask)
         neg_e, neg_m = batch(neg_embeds, neg_mask) if request.do_cfg else (None, None)
         latents, log_probs = [x.float()], []
-        for i in range(request.num_steps):
+        for i in range(request.num_inference_steps):
             v = qwen_image.velocity(pipe.transformer, x, timesteps[i].to(self.device), pos_e, pos_m, shapes,
                                     guidance_scale=request.guidance_scale, negative_prompt_embeds=neg_e,
                                     negative_prompt_mask=neg_m)
@@ -88,15 +91,13 @@ class DiffusersEngine:
             latents.append(x.float())
             log_probs.append(step.log_prob)
         images = qwen_image.decode_images(pipe.vae, x, request.height, request.width)
-        return Trajectory(
-            prompt=request.prompt, prompt_id=request.prompt_id, images=images,
+        return Trajectory.sampled(
+            request, seed=seed, lora_version=self._lora_version, images=images,
             latents=torch.stack(latents, dim=1).cpu(), log_probs=torch.stack(log_probs, dim=1).cpu(),
             timesteps=timesteps, sigmas=sigmas, prompt_embeds=embeds.float().cpu(), prompt_mask=mask.long().cpu(),
             negative_prompt_embeds=neg_embeds.float().cpu() if request.do_cfg else None,
             negative_prompt_mask=neg_mask.long().cpu() if request.do_cfg else None,
-            noise_level=request.noise_level, sde_type=request.sde_type, seed=seed, lora_version=self._lora_version,
-            height=request.height, width=request.width, guidance_scale=request.guidance_scale,
-            sample_offset=request.sample_offset, producer={"engine": self.kind, "pid": os.getpid()})
+            producer={"engine": self.kind, "pid": os.getpid()})
 
     def _generate_locked(self, request: GenerationRequest, seed: int) -> Trajectory:
         with self._lock:
@@ -145,7 +146,7 @@ class DiffusersEngine:
 
         def load() -> int:
             with self._lock:
-                state = {k.removeprefix("transformer."): v for k, v in named_tensors.items()}
+                state = {transformer_key(k): v for k, v in named_tensors.items()}
                 result = self.pipe.transformer.load_state_dict(state, strict=False)
                 if result.unexpected_keys:
                     raise ValueError(f"unknown transformer weights: {result.unexpected_keys[:3]}")

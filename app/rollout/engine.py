@@ -6,7 +6,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
+from app.types import GenerationRequest, LoraAdapter, Trajectory
 
 
 @runtime_checkable

@@ -10,9 +10,15 @@ import numpy as np
 import torch
 
 
+def derived_seed(*keys: int) -> int:
+    """A 63-bit seed mixed from `keys` by numpy's SeedSequence (distinct keys: no overlaps in practice); no keys: a
+    fresh one from the OS."""
+    return int(np.random.SeedSequence(list(keys) or None).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
 def sample_seed(seed: int, index: int) -> int:
-    """A 63-bit seed for image `index` of the group seeded `seed` (SeedSequence mixing: no overlaps in practice)."""
-    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+    """The seed of image `index` of the group seeded `seed`."""
+    return derived_seed(seed, index)
 
 
 def sample_generators(seed: int, offset: int, n: int, device: str | torch.device = "cpu") -> list[torch.Generator]:
@@ -21,4 +27,4 @@ def sample_generators(seed: int, offset: int, n: int, device: str | torch.device
 
 def draw_seed() -> int:
     """A fresh group seed when the request gave none (recorded in the Trajectory)."""
-    return int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> np.uint64(1))
+    return derived_seed()

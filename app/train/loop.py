@@ -36,10 +36,10 @@ from app.algo.loss import flow_grpo_loss, transition_kl
 from app.config import RunConfig
 from app.console import quiet_this_process
 from app.rollout.client import RolloutClient, ScoredGroup
-from app.rollout.types import GenerationRequest, LoraAdapter
 from app.train import checkpoint
 from app.train.policy import Policy
 from app.train.prompts import group_seed, load_prompts, step_prompts
+from app.types import GenerationRequest, LoraAdapter
 
 
 @dataclass
@@ -100,7 +100,7 @@ def train_step(w: Worker, step: int) -> dict[str, float]:
     adv_flat, adv_metrics = group_advantages(total.flatten(), group_index, std_mode=t.adv_std_mode,
                                              clip_max=t.adv_clip_max)
     adv_of = {g: adv_flat.view(len(ids), -1)[k] for k, g in enumerate(ids)}  # g -> [n]
-    advantages = [adv_of[int(s.trajectory.prompt_id)] for s in groups]
+    advantages = [adv_of[s.trajectory.group_id] for s in groups]
 
     # 4. old log-probs: what the rollout recorded, or the current policy's (before any update this step)
     mismatch = Stats()
@@ -115,10 +115,10 @@ def train_step(w: Worker, step: int) -> dict[str, float]:
     for epoch in range(t.num_inner_epochs):
         w.optimizer.zero_grad(set_to_none=True)
         first_pass = epoch == 0
-        for s, adv, old_lp in zip(groups, advantages, old):
+        for s, adv, old_lp in zip(groups, advantages, old, strict=True):
             traj = s.trajectory
-            steps = trained_steps(traj.num_steps, t.timestep_fraction, seed=t.seed, step=step,
-                                  group=int(traj.prompt_id), epoch=epoch)
+            steps = trained_steps(traj.num_inference_steps, t.timestep_fraction, seed=t.seed, step=step,
+                                  group=traj.group_id, epoch=epoch)
             weight = 1.0 / (len(groups) * traj.group_size * len(steps))  # loss = mean over this worker's terms
             for start in range(0, traj.group_size, t.micro_batch_size):
                 samples = list(range(start, start + t.micro_batch_size))
@@ -167,20 +167,21 @@ def train_step(w: Worker, step: int) -> dict[str, float]:
 def rollout_request(cfg: RunConfig, prompt: str, group: int, lora_version: int | None = None) -> GenerationRequest:
     r = cfg.rollout
     return GenerationRequest(
-        prompt=prompt, n=r.group_size, height=r.height, width=r.width, num_steps=r.num_steps,
+        prompt=prompt, n=r.group_size, height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
         guidance_scale=r.guidance_scale, negative_prompt=r.negative_prompt if r.guidance_scale > 1 else None,
         noise_level=r.noise_level, sde_type=r.sde_type, seed=group_seed(cfg.train.seed, group),
-        prompt_id=str(group), lora_version=lora_version)
+        group_id=group, lora_version=lora_version)
 
 
-def trained_steps(num_steps: int, fraction: float, *, seed: int, step: int, group: int, epoch: int) -> list[int]:
+def trained_steps(num_inference_steps: int, fraction: float, *, seed: int, step: int, group: int,
+                  epoch: int) -> list[int]:
     """Which denoising steps of a group are trained: round(fraction·T) of them (at least one), drawn without
     replacement from a generator seeded by (seed, step, group, epoch); all of them when fraction = 1."""
-    k = max(1, round(fraction * num_steps))
-    if k >= num_steps:
-        return list(range(num_steps))
+    k = max(1, round(fraction * num_inference_steps))
+    if k >= num_inference_steps:
+        return list(range(num_inference_steps))
     rng = np.random.default_rng([seed, step, group, epoch])
-    return sorted(int(i) for i in rng.choice(num_steps, size=k, replace=False))
+    return sorted(int(i) for i in rng.choice(num_inference_steps, size=k, replace=False))
 
 
 def _step_loss(w: Worker, traj, i: int, samples: list[int], adv: torch.Tensor, old_lp: torch.Tensor):
@@ -205,7 +206,7 @@ def _recompute_log_probs(w: Worker, groups: list[ScoredGroup], mismatch: Stats) 
         lp = torch.zeros_like(traj.log_probs)
         for start in range(0, traj.group_size, w.config.train.micro_batch_size):
             samples = list(range(start, start + w.config.train.micro_batch_size))
-            scored = w.policy.score(traj, range(traj.num_steps), samples,
+            scored = w.policy.score(traj, range(traj.num_inference_steps), samples,
                                     flow_grpo_compat=w.config.train.flow_grpo_compat)
             lp[samples] = torch.stack([o.log_prob.float().cpu() for o in scored], dim=1)  # [mb, T]
         mismatch.add({"rollout/logprob_mismatch_max": float((lp - traj.log_probs).abs().max())})
@@ -223,9 +224,9 @@ def _collect_on_policy(w: Worker, requests: list[GenerationRequest]) -> tuple[li
     if stale:
         w.aio.run(w.client.publish(w.adapter))  # a no-op on replicas already serving it
         again = w.aio.run(w.client.collect([requests[k] for k in stale]))
-        for k, s in zip(stale, again):
+        for k, s in zip(stale, again, strict=True):
             if s.trajectory.lora_version != expected:
-                raise RuntimeError(f"group {requests[k].prompt_id} came from adapter version "
+                raise RuntimeError(f"group {requests[k].group_id} came from adapter version "
                                    f"{s.trajectory.lora_version} after re-publishing version {expected}")
             groups[k] = s
     return groups, len(stale)
@@ -233,7 +234,7 @@ def _collect_on_policy(w: Worker, requests: list[GenerationRequest]) -> tuple[li
 
 def _gather_rewards(groups: list[ScoredGroup]) -> dict:
     """{global group index: RewardScores} of every worker's groups."""
-    mine = {int(s.trajectory.prompt_id): s.rewards for s in groups}
+    mine = {s.trajectory.group_id: s.rewards for s in groups}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {g: r for part in everyone for g, r in part.items()}
@@ -285,7 +286,7 @@ def _reduce_over_workers(metrics: dict[str, float], world: int) -> dict[str, flo
         dist.all_reduce(values, op=op)
         if kind is None:
             values /= world
-        out.update(zip(chosen, values.tolist()))
+        out.update(zip(chosen, values.tolist(), strict=True))
     return out
 
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from app.algo.sde import SDEStepOutput
 from app.models import qwen_image
-from app.models.lora import ADAPTER_NAME
-from app.rollout.types import LoraAdapter, Trajectory
+from app.models.lora import ADAPTER_NAME, transformer_key
+from app.types import LoraAdapter, Trajectory
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -128,7 +128,7 @@ def load_adapter_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     from diffusers import QwenImagePipeline
 
     state = QwenImagePipeline.lora_state_dict(str(directory))
-    return {k.removeprefix("transformer."): v for k, v in state.items()}
+    return {transformer_key(k): v for k, v in state.items()}
 
 
 def _fully_shard(transformer, dtype: torch.dtype) -> None:

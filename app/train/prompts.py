@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from app.rollout.seeding import derived_seed
+
 # OCR-style prompts (target text in double quotes) for the tiny CPU runs and tests
 BUILTIN = {
     "ocr_tiny": [
@@ -58,4 +60,4 @@ def step_prompts(prompts: list[str], step: int, groups_per_step: int, *, seed: i
 
 def group_seed(seed: int, group: int) -> int:
     """The rollout seed of global group `group` (63-bit, SeedSequence-mixed, distinct per group)."""
-    return int(np.random.SeedSequence([seed, group, 0x5EED]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+    return derived_seed(seed, group, 0x5EED)

@@ -30,7 +30,8 @@ def reference_log_prob(x, mean, std):
     return lp.mean(dim=tuple(range(1, lp.ndim)))
 
 
-CASES = [("sde", 1.0, 0.8), ("sde", 0.7, 0.45), ("sde", 0.3, 0.1), ("cps", 1.0, 0.8), ("cps", 0.6, 0.3), ("cps", 0.2, 0.05)]
+CASES = [("sde", 1.0, 0.8), ("sde", 0.7, 0.45), ("sde", 0.3, 0.1),
+         ("cps", 1.0, 0.8), ("cps", 0.6, 0.3), ("cps", 0.2, 0.05)]
 
 
 @pytest.mark.parametrize("sde_type,sigma,sigma_next", CASES)
@@ -129,7 +130,10 @@ def test_flow_grpo_compat_cps_score_is_unscaled_squared_error():
 
 def test_generators_make_sampling_reproducible_per_sample():
     x, v = torch.zeros(3, 4), torch.zeros(3, 4)
-    gens = lambda: [torch.Generator().manual_seed(s) for s in (10, 11, 12)]  # noqa: E731
+
+    def gens():
+        return [torch.Generator().manual_seed(s) for s in (10, 11, 12)]
+
     a = sde_step(v, x, 0.7, 0.5, noise_level=0.7, generator=gens()).prev_sample
     b = sde_step(v, x, 0.7, 0.5, noise_level=0.7, generator=gens()).prev_sample
     assert torch.equal(a, b)

@@ -16,7 +16,7 @@ import requests
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from app.rollout.types import GenerationRequest
+from app.types import GenerationRequest
 
 pytestmark = pytest.mark.slow  # a Ray cluster and Serve
 
@@ -89,7 +89,7 @@ def test_groups_are_spread_over_both_replicas(served):
     rollout = served["rollout"]
 
     async def eight():
-        requests_ = [GenerationRequest(f"prompt {i}", n=2, height=64, width=64, num_steps=2, seed=i)
+        requests_ = [GenerationRequest(f"prompt {i}", n=2, height=64, width=64, num_inference_steps=2, seed=i)
                      for i in range(8)]
         return await asyncio.gather(*[rollout.generate.remote(r) for r in requests_])
 
@@ -105,7 +105,7 @@ def test_publication_reaches_every_replica_and_changes_generations(served, tiny_
     from app.rollout.client import publish_lora
 
     rollout = served["rollout"]
-    request = GenerationRequest("a red cube", n=2, height=64, width=64, num_steps=2, seed=11)
+    request = GenerationRequest("a red cube", n=2, height=64, width=64, num_inference_steps=2, seed=11)
     transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
     adapter = random_lora(transformer, version=1, rank=4, target_modules=["to_q", "to_v", "to_out.0"], seed=1,
                           scale=0.5)
@@ -142,9 +142,9 @@ def test_a_request_for_a_version_nobody_has_is_refused_and_the_replica_keeps_ser
     rollout = served["rollout"]
     published = served["adapters"].current.remote().result()[0]
     with pytest.raises(AdapterUnavailable, match=f"asks for adapter version 99.*serves {published}"):
-        rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_steps=2, seed=1,
+        rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_inference_steps=2, seed=1,
                                                   lora_version=99)).result()
-    ok = rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_steps=2, seed=1,
+    ok = rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_inference_steps=2, seed=1,
                                                    lora_version=published)).result()
     assert ok.lora_version == published
 
@@ -209,7 +209,7 @@ def test_a_reward_deployment_that_fails_is_retried_then_the_group_is_named(serve
         client = RolloutClient(served["rollout"], broken, served["adapters"], retries=1, retry_delay_s=0)
         for prompt, why in [("reward raises", "RuntimeError.*the OCR model crashed"),
                             ("reward is short", r"\{'total': 1\} scores for 2 images")]:
-            request = GenerationRequest(prompt, n=2, height=64, width=64, num_steps=2, seed=5, prompt_id="5")
+            request = GenerationRequest(prompt, n=2, height=64, width=64, num_inference_steps=2, seed=5, group_id=5)
             with pytest.raises(GroupFailed, match=f"group 5 \\('{prompt}'\\): reward failed 2 times.*{why}"):
                 asyncio.run(client.collect([request]))
         assert broken.count.remote().result() == 4

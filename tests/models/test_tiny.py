@@ -66,7 +66,10 @@ def test_same_seed_gives_identical_tensors_and_other_seed_differs(tmp_path, tiny
         assert ref.keys() == same.keys() and all(torch.equal(ref[k], same[k]) for k in ref)
         assert all(t.dtype == torch.float32 for t in ref.values() if t.is_floating_point())
         assert any(not torch.equal(ref[k], diff[k]) for k in ref if ref[k].numel() > 1)
-    vocab = lambda d: json.loads((d / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]  # noqa: E731
+
+    def vocab(d):
+        return json.loads((d / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+
     assert vocab(tiny_model_dir) == vocab(again)
 
 

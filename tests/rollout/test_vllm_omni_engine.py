@@ -9,7 +9,7 @@ from diffusers import QwenImageTransformer2DModel
 
 from app.models import qwen_image
 from app.models.lora import attach_lora, random_lora
-from app.rollout.types import GenerationRequest, LoraAdapter
+from app.types import GenerationRequest, LoraAdapter
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
            "img_mlp.net.2"]
@@ -17,7 +17,8 @@ PARITY_TOL = 1e-5
 
 
 def request(**changes) -> GenerationRequest:
-    return GenerationRequest(**(dict(prompt="a red cube", n=3, height=64, width=64, num_steps=4, seed=7) | changes))
+    fields = dict(prompt="a red cube", n=3, height=64, width=64, num_inference_steps=4, seed=7)
+    return GenerationRequest(**(fields | changes))
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +52,19 @@ class ScaledVelocity(torch.nn.Module):
 
 def recompute(transformer, traj):
     with torch.no_grad():
-        steps = qwen_image.score_steps(transformer, traj, range(traj.num_steps))
+        steps = qwen_image.score_steps(transformer, traj, range(traj.num_inference_steps))
     return torch.stack([s.log_prob for s in steps], dim=1)  # [n, T]
 
 
 def test_trajectory_records_every_step(vllm_engine, aio):
-    traj = aio(vllm_engine.generate(request(prompt_id="p0")))
+    traj = aio(vllm_engine.generate(request(group_id=3)))
     n, t = 3, 4
     assert traj.images.shape == (n, 64, 64, 3) and traj.images.dtype == torch.uint8
     assert traj.latents.shape == (n, t + 1, 16, 64) and traj.log_probs.shape == (n, t)
     assert traj.sigmas[0] == 1 and traj.sigmas[-1] == 0 and torch.all(traj.sigmas[1:] < traj.sigmas[:-1])
     assert torch.allclose(traj.timesteps, traj.sigmas[:-1] * 1000)
     assert torch.isfinite(traj.log_probs).all() and traj.prompt_embeds.shape == (8, 32)  # 3 prompt + 5 suffix tokens
-    assert traj.lora_version == 0 and traj.seed == 7 and traj.prompt_id == "p0"
+    assert traj.lora_version == 0 and traj.seed == 7 and traj.group_id == 3
     assert traj.producer["engine"] == "vllm_omni"
 
 
@@ -102,7 +103,7 @@ def test_concurrent_groups_match_sequential_ones(vllm_engine, aio):
         return together, alone
 
     together, alone = aio(both())
-    for a, b in zip(together, alone):
+    for a, b in zip(together, alone, strict=True):
         assert a.prompt == b.prompt and (a.latents - b.latents).abs().max() < 1e-5
 
 

@@ -30,8 +30,8 @@ class _Method:
 
 
 def trajectory(request, version=0):
-    return SimpleNamespace(images=[request.prompt_id] * 2, prompt=request.prompt_id, group_size=2,
-                           lora_version=version, prompt_id=request.prompt_id)
+    return SimpleNamespace(images=[request.group_id] * 2, prompt=request.prompt, group_size=2,
+                           lora_version=version, group_id=request.group_id)
 
 
 class StubRollout:
@@ -45,22 +45,22 @@ class StubReward:
 
 
 def requests(k):
-    return [SimpleNamespace(prompt_id=str(i), prompt=f"prompt {i}") for i in range(k)]
+    return [SimpleNamespace(group_id=i, prompt=f"prompt {i}") for i in range(k)]
 
 
 def test_a_failed_group_is_asked_again_and_arrives_in_request_order():
-    failures = {"1": 1}  # group 1's replica dies the first time
+    failures = {1: 1}  # group 1's replica dies the first time
 
     def flaky(request):
-        if failures.get(request.prompt_id, 0) > 0:
-            failures[request.prompt_id] -= 1
+        if failures.get(request.group_id, 0) > 0:
+            failures[request.group_id] -= 1
             raise RuntimeError("ActorDiedError: replica lost")
         return trajectory(request)
 
     rollout = StubRollout(flaky)
     groups = asyncio.run(RolloutClient(rollout, StubReward(), retries=2, retry_delay_s=0).collect(requests(3)))
-    assert [g.trajectory.prompt_id for g in groups] == ["0", "1", "2"] and [g.index for g in groups] == [0, 1, 2]
-    assert rollout.generate.calls == 4 and groups[1].rewards.total == [1.0, 1.0]
+    assert [g.trajectory.group_id for g in groups] == [0, 1, 2] and [g.index for g in groups] == [0, 1, 2]
+    assert rollout.generate.calls == 4 and groups[1].rewards.total == [8.0, 8.0]
     assert [g.retries for g in groups] == [0, 1, 0]
 
 
@@ -131,11 +131,11 @@ def _worker(rollout, adapter_version):
 
 
 def test_a_group_from_another_adapter_is_regenerated_after_republishing():
-    first = {"2"}  # group 2 first lands on a replica that came back on the base model
+    first = {2}  # group 2 first lands on a replica that came back on the base model
 
     def restarted_replica(request):
-        version = 0 if request.prompt_id in first else 5
-        first.discard(request.prompt_id)
+        version = 0 if request.group_id in first else 5
+        first.discard(request.group_id)
         return trajectory(request, version=version)
 
     rollout = StubRollout(restarted_replica)
@@ -144,7 +144,7 @@ def test_a_group_from_another_adapter_is_regenerated_after_republishing():
         groups, regenerated = loop._collect_on_policy(w, requests(3))
     assert regenerated == 1 and w.client.published == [5] and rollout.generate.calls == 4
     assert [g.trajectory.lora_version for g in groups] == [5, 5, 5]
-    assert [g.trajectory.prompt_id for g in groups] == ["0", "1", "2"]
+    assert [g.trajectory.group_id for g in groups] == [0, 1, 2]
 
 
 def test_a_group_still_off_policy_after_republishing_stops_the_step():

@@ -11,8 +11,8 @@ from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
 from app.models import qwen_image
 from app.models.lora import random_lora
-from app.rollout.types import GenerationRequest
 from app.train.policy import Policy, load_adapter_tensors
+from app.types import GenerationRequest
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 PARITY_TOL = 1e-5  # fp32 on CPU: the rollout's and the trainer's log-probs agree to this (in practice exactly)
@@ -31,7 +31,7 @@ def rollout(vllm_engine, aio, adapter):
     aio(vllm_engine.load_lora(served))
     try:
         return aio(vllm_engine.generate(GenerationRequest('a sign that says "RL"', n=4, height=64, width=64,
-                                                          num_steps=3, seed=5)))
+                                                          num_inference_steps=3, seed=5)))
     finally:
         aio(vllm_engine.load_lora(None))
 
@@ -45,14 +45,15 @@ def test_policy_scores_the_rollout_steps_exactly(tiny_model_dir, adapter, rollou
     assert rollout.lora_version >= 1
     policy = make_policy(tiny_model_dir, adapter)
     with torch.no_grad():
-        outs = policy.score(rollout, range(rollout.num_steps), samples=range(4))
+        outs = policy.score(rollout, range(rollout.num_inference_steps), samples=range(4))
     log_probs = torch.stack([o.log_prob for o in outs], dim=1)  # [4, T]
     diff = (log_probs - rollout.log_probs).abs().max().item()
     assert diff <= PARITY_TOL, diff
     fresh = Policy.from_pretrained(tiny_model_dir, lora_rank=4, lora_alpha=4, target_modules=TARGETS, shard=False)
     with torch.no_grad():  # a freshly initialised LoRA (B = 0) is the base model, not the rollout's adapter
         base = fresh.score(rollout, range(3), range(4))
-    assert max((a.prev_sample_mean - b.prev_sample_mean).abs().max().item() for a, b in zip(outs, base)) > 1e-3
+    moved = [(a.prev_sample_mean - b.prev_sample_mean).abs().max().item() for a, b in zip(outs, base, strict=True)]
+    assert max(moved) > 1e-3
 
 
 def test_reference_is_the_base_model_and_the_adapter_comes_back(tiny_model_dir, adapter, rollout):
@@ -91,7 +92,7 @@ def test_adapter_exports_and_loads_in_diffusers(tiny_model_dir, adapter, rollout
 def surrogate(policy: Policy, traj, samples) -> torch.Tensor:
     """−mean(A·log π) over the samples and all steps: the on-policy FlowGRPO gradient with fixed advantages."""
     adv = torch.tensor([1.0, -0.5, 0.25, -0.75], dtype=torch.float64)[samples]
-    outs = policy.score(traj, range(traj.num_steps), samples)
+    outs = policy.score(traj, range(traj.num_inference_steps), samples)
     log_prob = torch.stack([o.log_prob.double() for o in outs], dim=1)  # [B, T]
     return -(adv[:, None] * log_prob).mean()
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from app.rollout.diffusers_engine import DiffusersEngine
-from app.rollout.types import GenerationRequest
 from app.train.policy import Policy
+from app.types import GenerationRequest
 
 pytestmark = pytest.mark.gpu
 
@@ -27,13 +27,13 @@ def nccl_group():
 def test_bf16_fsdp2_policy_on_cuda_scores_the_rollout_and_trains(nccl_group, tiny_model_dir, aio):
     engine = DiffusersEngine(tiny_model_dir, dtype="bfloat16", device="cuda")
     aio(engine.start())
-    traj = aio(engine.generate(GenerationRequest('a sign that says "GPU"', n=4, height=64, width=64, num_steps=4,
-                                                 seed=3)))
+    traj = aio(engine.generate(GenerationRequest('a sign that says "GPU"', n=4, height=64, width=64,
+                                                 num_inference_steps=4, seed=3)))
     policy = Policy.from_pretrained(tiny_model_dir, lora_rank=4, lora_alpha=4,
                                     target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_out"],
                                     dtype=torch.bfloat16, device="cuda")
     assert policy.sharded and {p.dtype for p in policy.parameters()} == {torch.float32}  # fp32 master LoRA
-    outs = policy.score(traj, range(traj.num_steps), range(4))
+    outs = policy.score(traj, range(traj.num_inference_steps), range(4))
     log_prob = torch.stack([o.log_prob for o in outs], dim=1)  # [4, T]
     mismatch = (log_prob.detach().float().cpu() - traj.log_probs).abs().max().item()
     print(f"bf16 cuda rollout/trainer log-prob mismatch: {mismatch:.3e}")

@@ -1,2 +1,2 @@
-"""The vllm-omni rollout engine: RL pipeline subclass, worker extension, CPU platform. Import-light on purpose
-(`cpu_plugin` is loaded by vllm's plugin discovery in every process)."""
+"""The vllm-omni rollout engine: the engine, the RL pipeline subclass and the worker extension. (The CPU platform
+that runs it on machines without a GPU lives in app/platform/vllm_omni.)"""

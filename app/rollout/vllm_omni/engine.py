@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from app.models.lora import PIPELINE_PREFIX, transformer_key
 from app.rollout.seeding import draw_seed
-from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
 from app.rollout.vllm_omni.lora import to_vllm_omni
 from app.rollout.vllm_omni.pipeline import EXTRA_ARGS_KEY, FlowGRPOQwenImagePipeline
 from app.rollout.vllm_omni.worker import FlowGRPOWorkerExtension
+from app.types import GenerationRequest, LoraAdapter, Trajectory
 
 PIPELINE_CLASS = f"{FlowGRPOQwenImagePipeline.__module__}.{FlowGRPOQwenImagePipeline.__qualname__}"
 WORKER_EXTENSION = f"{FlowGRPOWorkerExtension.__module__}.{FlowGRPOWorkerExtension.__qualname__}"
@@ -78,7 +79,7 @@ class VllmOmniEngine:
         if version > 0:  # the id is the version: staged in memory by the worker extension, never read from disk
             lora = LoRARequest(f"flowgrpo-v{version}", version, f"/in-memory/flowgrpo/v{version}")
         return OmniDiffusionSamplingParams(
-            height=request.height, width=request.width, num_inference_steps=request.num_steps,
+            height=request.height, width=request.width, num_inference_steps=request.num_inference_steps,
             num_outputs_per_prompt=n, seed=seed, true_cfg_scale=request.guidance_scale, lora_request=lora,
             lora_scale=1.0, extra_args={EXTRA_ARGS_KEY: {"seed": seed, "sample_offset": offset,
                                                          "noise_level": request.noise_level,
@@ -116,19 +117,15 @@ class VllmOmniEngine:
             raise
         self._served += 1
         side = outputs[0].trajectory_timesteps
-        neg = request.do_cfg
-        return Trajectory(
-            prompt=request.prompt, prompt_id=request.prompt_id,
+        return Trajectory.sampled(
+            request, seed=seed, lora_version=version,
             images=torch.cat([_images_uint8(o.images) for o in outputs]),
             latents=torch.cat([o.trajectory_latents for o in outputs]),
             log_probs=torch.cat([o.trajectory_log_probs for o in outputs]),
             timesteps=side["timesteps"], sigmas=side["sigmas"],
             prompt_embeds=side["prompt_embeds"], prompt_mask=side["prompt_mask"],
-            negative_prompt_embeds=side["negative_prompt_embeds"] if neg else None,
-            negative_prompt_mask=side["negative_prompt_mask"] if neg else None,
-            noise_level=request.noise_level, sde_type=request.sde_type, seed=seed, lora_version=version,
-            height=request.height, width=request.width, guidance_scale=request.guidance_scale,
-            sample_offset=request.sample_offset,
+            negative_prompt_embeds=side.get("negative_prompt_embeds"),
+            negative_prompt_mask=side.get("negative_prompt_mask"),
             producer={"engine": self.kind, "pid": os.getpid(), "seconds": time.perf_counter() - started},
         )
 
@@ -141,7 +138,7 @@ class VllmOmniEngine:
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
         params = OmniDiffusionSamplingParams(
-            height=request.height, width=request.width, num_inference_steps=request.num_steps,
+            height=request.height, width=request.width, num_inference_steps=request.num_inference_steps,
             num_outputs_per_prompt=request.n, seed=request.seed if request.seed is not None else draw_seed(),
             true_cfg_scale=request.guidance_scale)
         return _images_uint8((await self._run(request, params, kind="plain")).images)
@@ -167,7 +164,7 @@ class VllmOmniEngine:
 
     async def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
         await self.start()
-        items = [(k if k.startswith("transformer.") else f"transformer.{k}", v) for k, v in named_tensors.items()]
+        items = [(PIPELINE_PREFIX + transformer_key(k), v) for k, v in named_tensors.items()]  # vllm-omni's names
         return int(_first_result(await self._omni.collective_rpc("update_weights", args=(items,))))
 
     async def transformer_checksum(self) -> float:

@@ -7,9 +7,8 @@ add_q/k/v_proj → add_kv_proj) keep their per-projection LoRA names: vllm's LoR
 
 from __future__ import annotations
 
-from app.rollout.types import LoraAdapter
-
-_PEFT_PREFIX = "base_model.model."
+from app.models.lora import PEFT_PREFIX, transformer_key
+from app.types import LoraAdapter
 
 
 def _module_name(name: str) -> str:
@@ -24,8 +23,7 @@ def to_vllm_omni(adapter: LoraAdapter) -> tuple[dict, dict]:
     """(tensors, peft_config) in the form vllm's `LoRAModel.from_lora_tensors` / `PEFTHelper.from_dict` take."""
     tensors = {}
     for key, value in adapter.tensors.items():
-        key = key.removeprefix(_PEFT_PREFIX).removeprefix("transformer.")
-        tensors[_PEFT_PREFIX + _module_name(key)] = value.detach().contiguous()
+        tensors[PEFT_PREFIX + _module_name(transformer_key(key))] = value.detach().contiguous()
     config = {"r": adapter.rank, "lora_alpha": adapter.alpha,
               "target_modules": sorted({_target_name(t) for t in adapter.target_modules})}
     return tensors, config

@@ -4,20 +4,20 @@ import pytest
 import torch
 
 from app.rollout.seeding import sample_generators, sample_seed
-from app.rollout.types import GenerationRequest, LoraAdapter, Trajectory
+from app.types import GenerationRequest, LoraAdapter, Trajectory
 
 
 @pytest.mark.parametrize("field,value", [
     ("n", 0), ("n", -2), ("n", 10_000), ("n", 2.5),
     ("height", 100), ("width", 8), ("height", "64"),
-    ("num_steps", 1), ("num_steps", 0),
+    ("num_inference_steps", 1), ("num_inference_steps", 0),
     ("prompt", ""), ("prompt", "   "), ("prompt", None),
     ("noise_level", -0.1), ("noise_level", float("nan")),
     ("sde_type", "ddim"),
     ("guidance_scale", 0.5), ("seed", -1), ("sample_offset", -1),
 ])
 def test_invalid_request_names_the_field(field, value):
-    kwargs = dict(prompt="a red cube", n=2, height=64, width=64, num_steps=4) | {field: value}
+    kwargs = dict(prompt="a red cube", n=2, height=64, width=64, num_inference_steps=4) | {field: value}
     with pytest.raises(ValueError, match=f"^{field}="):
         GenerationRequest(**kwargs)
 
@@ -36,16 +36,17 @@ def test_sample_seeds_are_deterministic_and_distinct():
 
 
 def _traj(**changes):
-    n, t, l, c = 2, 3, 4, 8
-    fields = dict(prompt="p", prompt_id=None, images=torch.zeros(n, 16, 16, 3, dtype=torch.uint8),
-                  latents=torch.zeros(n, t + 1, l, c), log_probs=torch.zeros(n, t), timesteps=torch.zeros(t),
-                  sigmas=torch.zeros(t + 1), prompt_embeds=torch.zeros(5, 6), prompt_mask=torch.ones(5),
+    n, steps, tokens, channels = 2, 3, 4, 8
+    fields = dict(prompt="p", group_id=None, images=torch.zeros(n, 16, 16, 3, dtype=torch.uint8),
+                  latents=torch.zeros(n, steps + 1, tokens, channels), log_probs=torch.zeros(n, steps),
+                  timesteps=torch.zeros(steps), sigmas=torch.zeros(steps + 1), prompt_embeds=torch.zeros(5, 6),
+                  prompt_mask=torch.ones(5),
                   noise_level=0.7, sde_type="sde", seed=0, lora_version=0, height=16, width=16)
     return Trajectory(**(fields | changes))
 
 
 def test_trajectory_checks_its_shapes():
-    assert _traj().group_size == 2 and _traj().num_steps == 3
+    assert _traj().group_size == 2 and _traj().num_inference_steps == 3
     with pytest.raises(ValueError, match="log_probs"):
         _traj(log_probs=torch.zeros(2, 4))
     with pytest.raises(ValueError, match="negative_prompt_embeds"):

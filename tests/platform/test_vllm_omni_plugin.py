@@ -6,28 +6,28 @@ import sys
 import pytest
 import torch
 
-from app.rollout.vllm_omni import cpu_plugin
+from app.platform.vllm_omni import plugin
 
 
 @pytest.mark.parametrize("value,active", [("1", True), ("on", True), ("0", False), ("off", False)])
 def test_environment_variable_forces_the_choice(monkeypatch, value, active):
-    monkeypatch.setenv(cpu_plugin.ENV_VAR, value)
-    assert cpu_plugin.cpu_platform_active() is active
-    assert (cpu_plugin.omni_platform() is not None) is active
-    assert (cpu_plugin.vllm_platform() is not None) is active
+    monkeypatch.setenv(plugin.ENV_VAR, value)
+    assert plugin.cpu_platform_active() is active
+    assert (plugin.omni_platform() is not None) is active
+    assert (plugin.vllm_platform() is not None) is active
 
 
 def test_auto_follows_cuda(monkeypatch):
-    monkeypatch.delenv(cpu_plugin.ENV_VAR, raising=False)
-    assert cpu_plugin.cpu_platform_active() is (not torch.cuda.is_available())
+    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    assert plugin.cpu_platform_active() is (not torch.cuda.is_available())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cpu_plugin.omni_platform() is None  # GPU machines keep vllm-omni's own platform
+    assert plugin.omni_platform() is None  # GPU machines keep vllm-omni's own platform
 
 
 def test_bad_value_says_what_to_use(monkeypatch):
-    monkeypatch.setenv(cpu_plugin.ENV_VAR, "maybe")
+    monkeypatch.setenv(plugin.ENV_VAR, "maybe")
     with pytest.raises(ValueError, match="use 1"):
-        cpu_plugin.cpu_platform_active()
+        plugin.cpu_platform_active()
 
 
 @pytest.mark.slow

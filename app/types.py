@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from app.algo.sde import SDE_TYPES
+from app.image_size import side_problem
+
 MAX_GROUP_SIZE = 256
 MAX_SEED = 2**63 - 1
 
@@ -33,7 +35,7 @@ class GenerationRequest:
     height: int = 512
     width: int = 512
     # denoising steps T
-    num_steps: int = 10
+    num_inference_steps: int = 10
     # Qwen-Image true CFG; > 1 needs a negative prompt
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
@@ -44,7 +46,8 @@ class GenerationRequest:
     seed: int | None = None
     # index of the group's first image: a per-sample request for image j of a group sets n=1, sample_offset=j
     sample_offset: int = 0
-    prompt_id: str | None = None
+    # the trainer's index of the prompt group (its position in the run's prompt stream); None for ad-hoc requests
+    group_id: int | None = None
     # the adapter version the group must be sampled with (a replica serving another one loads the published
     # adapter first, or refuses); None: whatever the replica serves
     lora_version: int | None = None
@@ -55,11 +58,11 @@ class GenerationRequest:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_GROUP_SIZE:
             _fail("n", self.n, f"must be an integer in [1, {MAX_GROUP_SIZE}] (images per prompt group)")
         for name in ("height", "width"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 16 or value % 16:
-                _fail(name, value, "must be a positive multiple of 16 (the VAE's 8x and 2x2 patching)")
-        if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 2:
-            _fail("num_steps", self.num_steps, "must be an integer >= 2 (one step divides by zero in the schedule)")
+            if problem := side_problem(getattr(self, name)):
+                _fail(name, getattr(self, name), problem)
+        steps = self.num_inference_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
+            _fail("num_inference_steps", steps, "must be an integer >= 2 (one step divides by zero in the schedule)")
         if not _is_real(self.guidance_scale) or self.guidance_scale < 1:
             _fail("guidance_scale", self.guidance_scale, "must be a number >= 1 (1 disables CFG)")
         if self.guidance_scale > 1 and self.negative_prompt is None:
@@ -75,6 +78,9 @@ class GenerationRequest:
             _fail("seed", self.seed, f"must be an integer in [0, {MAX_SEED}] or None")
         if not isinstance(self.sample_offset, int) or self.sample_offset < 0:
             _fail("sample_offset", self.sample_offset, "must be an integer >= 0")
+        if self.group_id is not None and (not isinstance(self.group_id, int) or isinstance(self.group_id, bool)
+                                          or self.group_id < 0):
+            _fail("group_id", self.group_id, "must be an integer >= 0 or None")
         if self.lora_version is not None and (not isinstance(self.lora_version, int)
                                               or isinstance(self.lora_version, bool) or self.lora_version < 0):
             _fail("lora_version", self.lora_version, "must be an integer >= 0 (0: the base model) or None")
@@ -96,7 +102,7 @@ class Trajectory:
     """One prompt group as sampled. Tensors live on the CPU; L = packed latent tokens, C = packed channels."""
 
     prompt: str
-    prompt_id: str | None
+    group_id: int | None
     images: torch.Tensor  # uint8 [n, H, W, 3]
     latents: torch.Tensor  # fp32 [n, T+1, L, C]: x at sigmas[0..T] (packed layout of the family)
     log_probs: torch.Tensor  # fp32 [n, T]: log-prob of each taken step under the rollout policy
@@ -119,13 +125,13 @@ class Trajectory:
 
     def __post_init__(self) -> None:
         n, t1 = self.latents.shape[:2]
-        num_steps = t1 - 1
+        steps = t1 - 1
         checks = [
             (self.images.dtype == torch.uint8 and self.images.shape == (n, self.height, self.width, 3),
              f"images {tuple(self.images.shape)} {self.images.dtype} must be uint8 [{n}, {self.height}, "
              f"{self.width}, 3]"),
-            (self.log_probs.shape == (n, num_steps), f"log_probs {tuple(self.log_probs.shape)} must be [{n}, {num_steps}]"),
-            (self.timesteps.shape == (num_steps,), f"timesteps {tuple(self.timesteps.shape)} must be [{num_steps}]"),
+            (self.log_probs.shape == (n, steps), f"log_probs {tuple(self.log_probs.shape)} must be [{n}, {steps}]"),
+            (self.timesteps.shape == (steps,), f"timesteps {tuple(self.timesteps.shape)} must be [{steps}]"),
             (self.sigmas.shape == (t1,), f"sigmas {tuple(self.sigmas.shape)} must be [{t1}]"),
             (self.prompt_embeds.ndim == 2 and self.prompt_mask.shape == self.prompt_embeds.shape[:1],
              "prompt_embeds must be [S, D] with prompt_mask [S]"),
@@ -136,12 +142,29 @@ class Trajectory:
             if not ok:
                 raise ValueError(f"inconsistent Trajectory: {message}")
 
+    @classmethod
+    def sampled(cls, request: GenerationRequest, *, seed: int, lora_version: int, images: torch.Tensor,
+                latents: torch.Tensor, log_probs: torch.Tensor, timesteps: torch.Tensor, sigmas: torch.Tensor,
+                prompt_embeds: torch.Tensor, prompt_mask: torch.Tensor,
+                negative_prompt_embeds: torch.Tensor | None = None, negative_prompt_mask: torch.Tensor | None = None,
+                producer: dict | None = None) -> Trajectory:
+        """The record of `request` as an engine sampled it: what the request fixed is copied from it, the rest is
+        what the engine produced (every engine builds its trajectories here)."""
+        return cls(prompt=request.prompt, group_id=request.group_id, images=images, latents=latents,
+                   log_probs=log_probs, timesteps=timesteps, sigmas=sigmas, prompt_embeds=prompt_embeds,
+                   prompt_mask=prompt_mask, noise_level=request.noise_level, sde_type=request.sde_type, seed=seed,
+                   lora_version=lora_version, height=request.height, width=request.width,
+                   guidance_scale=request.guidance_scale,
+                   negative_prompt_embeds=negative_prompt_embeds if request.do_cfg else None,
+                   negative_prompt_mask=negative_prompt_mask if request.do_cfg else None,
+                   sample_offset=request.sample_offset, producer=dict(producer or {}))
+
     @property
     def group_size(self) -> int:
         return self.latents.shape[0]
 
     @property
-    def num_steps(self) -> int:
+    def num_inference_steps(self) -> int:
         return self.latents.shape[1] - 1
 
     @property

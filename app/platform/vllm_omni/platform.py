@@ -1,4 +1,4 @@
-"""An out-of-tree OmniPlatform that runs vllm-omni diffusion on torch's CPU backend (selected by `cpu_plugin`).
+"""An out-of-tree OmniPlatform that runs vllm-omni diffusion on torch's CPU backend (selected by `plugin.py`).
 
 What vllm-omni 0.30.0 needs from a platform, in the order its absence fails (../shared/notes/vllm_omni_cpu.md):
 a device type and the gloo backend; no-op device calls; memory figures (from psutil: torch.cpu keeps no
@@ -25,7 +25,7 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     @classmethod
     def get_diffusion_attn_backend_cls(cls, selected_backend, head_size, allow_trtllm_default=False) -> str:
         # by name: the attention module imports `current_omni_platform`, which is being resolved right now
-        return "app.rollout.vllm_omni.cpu_attention.CpuSDPABackend"
+        return "app.platform.vllm_omni.attention.CpuSDPABackend"
 
     @classmethod
     def supports_diffusion_dense_flash_attention(cls) -> bool:

@@ -1,4 +1,4 @@
-"""SDPA attention for vllm-omni on the CPU platform (see cpu_platform.py)."""
+"""SDPA attention for vllm-omni on the CPU platform (see platform.py)."""
 
 from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend, SDPAImpl
 

@@ -32,4 +32,4 @@ def vllm_platform() -> str | None:
 
 
 def omni_platform() -> str | None:
-    return "app.rollout.vllm_omni.cpu_platform.CpuOmniPlatform" if cpu_platform_active() else None
+    return "app.platform.vllm_omni.platform.CpuOmniPlatform" if cpu_platform_active() else None
