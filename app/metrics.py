@@ -4,6 +4,11 @@ dashboard shows (exported through Ray's Prometheus endpoint; Grafana panels unde
 from __future__ import annotations
 
 import json
+import math
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +171,105 @@ class RayMetrics:
         self.reward.set(reward_mean)
         self.version.set(adapter_version)
         self.step_time.observe(step_seconds)
+
+
+class NullRunLog:
+    """What ranks other than 0 log: nothing (the same methods as `RunLog`)."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_images(self, step: int, images, prompts, rewards) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PhaseTimer:
+    """Wall time of a step's phases: `with timer("rollout"): ...`, then `timer.metrics()` → {"timing/rollout_s"}."""
+
+    def __init__(self):
+        self.started, self.seconds = time.perf_counter(), {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - began
+
+    def metrics(self) -> dict[str, float]:
+        return {**{f"timing/{k}_s": v for k, v in self.seconds.items()},
+                "timing/step_s": time.perf_counter() - self.started}
+
+
+def reward_metrics(rewards: dict) -> dict[str, float]:
+    total = np.array([r.total for r in rewards.values()])
+    out = {"reward/mean": float(total.mean()), "reward/std": float(total.std()),
+           "reward/min": float(total.min()), "reward/max": float(total.max())}
+    for name in next(iter(rewards.values())).components:
+        out[f"reward/{name}/mean"] = float(np.mean([r.components[name] for r in rewards.values()]))
+    return out
+
+
+def _extreme(key: str) -> str | None:
+    """Which extreme a metric keeps ("max" for `..._max`, "min" for `..._min`), None for a mean."""
+    return key.rsplit("_", 1)[-1] if key.endswith(("_max", "_min")) else None
+
+
+class Stats:
+    """Weighted means of metrics; keys ending in `_max`/`_min` keep the extreme instead (`_extreme`)."""
+
+    def __init__(self):
+        self.sums, self.weights, self.extremes = defaultdict(float), defaultdict(float), {}
+
+    def add(self, metrics: dict[str, float], weight: float = 1.0) -> None:
+        for key, value in metrics.items():
+            kind = _extreme(key)
+            if kind == "max":
+                self.extremes[key] = max(self.extremes.get(key, -math.inf), value)
+            elif kind == "min":
+                self.extremes[key] = min(self.extremes.get(key, math.inf), value)
+            else:
+                self.sums[key] += weight * value
+                self.weights[key] += weight
+
+    def result(self) -> dict[str, float]:
+        return {**{k: self.sums[k] / self.weights[k] for k in self.sums}, **self.extremes}
+
+
+def reduce_over_workers(metrics: dict[str, float], world: int) -> dict[str, float]:
+    """Means over workers (each worker has the same number of terms), max/min for `_max`/`_min` keys (a collective:
+    every rank calls it with the same keys)."""
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for kind, op in [("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN), (None, dist.ReduceOp.SUM)]:
+        chosen = sorted(k for k in metrics if _extreme(k) == kind)  # the same keys in the same order on every rank
+        if not chosen:
+            continue
+        values = torch.tensor([metrics[k] for k in chosen], dtype=torch.float64)
+        dist.all_reduce(values, op=op)
+        if kind is None:
+            values /= world
+        out.update(zip(chosen, values.tolist(), strict=True))
+    return out
+
+
+class Progress:
+    """One line per step on the driver's console (Ray forwards worker stdout): the numbers a user watches."""
+
+    def __init__(self, first: int, total: int):
+        self.first, self.total, self.started = first, total, time.perf_counter()
+
+    def step_done(self, step: int, m: dict[str, float]) -> None:
+        done = step + 1 - self.first
+        eta = (time.perf_counter() - self.started) / done * (self.total - step - 1)
+        print(f"[flowgrpo] step {step + 1}/{self.total}  reward {m['reward/mean']:+.4f}  "
+              f"loss {m['actor/loss']:+.2e}  |ratio-1| first pass {m['actor/ratio_dev_first_pass_max']:.1e}  "
+              f"logprob mismatch {m['rollout/logprob_mismatch_max']:.1e}  staleness {m['rollout/staleness_max']:.0f}"
+              f"  {m['timing/step_s']:.1f}s/step  eta {eta:.0f}s",
+              file=sys.__stdout__, flush=True)  # the real stdout: Ray Train's print patch would log it twice

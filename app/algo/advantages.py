@@ -58,3 +58,14 @@ def group_advantages(
         "reward/group_std_mean": float(group_std.mean()),
     }
     return adv.float(), metrics
+
+
+def step_advantages(totals: dict[int, list[float]], *, std_mode: str = "group",
+                    clip_max: float = 5.0) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
+    """A step's advantages from every group's total rewards ({group id: [n] rewards}, all workers' groups): {group id:
+    [n] advantages} normalised per group over the whole batch (`group_advantages`), and its metrics."""
+    ids = sorted(totals)
+    rewards = torch.tensor([totals[g] for g in ids], dtype=torch.float64)  # [G, n]
+    group_index = torch.tensor(ids).repeat_interleave(rewards.shape[1])  # [G·n]
+    flat, metrics = group_advantages(rewards.flatten(), group_index, std_mode=std_mode, clip_max=clip_max)
+    return {g: flat.view(len(ids), -1)[k] for k, g in enumerate(ids)}, metrics

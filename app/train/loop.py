@@ -17,12 +17,9 @@ same number of timesteps and micro-batches. `ray.train` appears in this module o
 from __future__ import annotations
 
 import asyncio
-import math
 import sys
 import tempfile
-import time
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +28,12 @@ import torch
 import torch.distributed as dist
 
 from app import metrics as run_metrics
-from app.algo.advantages import group_advantages
+from app.algo.advantages import step_advantages
 from app.algo.loss import flow_grpo_loss, transition_kl
+from app.algo.timesteps import trained_steps
 from app.config import RunConfig
 from app.console import quiet_this_process
+from app.metrics import PhaseTimer, Progress, Stats, reduce_over_workers, reward_metrics
 from app.rollout.client import RolloutClient, ScoredGroup
 from app.train import checkpoint
 from app.train.policy import Policy
@@ -56,7 +55,7 @@ class Worker:
     prompts: list[str]
     state: checkpoint.TrainerState
     adapter: LoraAdapter | None = None  # what the replicas serve (None: the base model)
-    log: run_metrics.RunLog | None = None  # rank 0 only
+    log: run_metrics.RunLog | run_metrics.NullRunLog = field(default_factory=run_metrics.NullRunLog)  # rank 0 logs
     ray_metrics: run_metrics.RayMetrics | None = None
     progress: Progress | None = None
 
@@ -75,31 +74,26 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 metrics = train_step(worker, step)
                 _report(worker, step, metrics)
         finally:
-            if worker.log is not None:
-                worker.log.close()
+            worker.log.close()
 
 
 def train_step(w: Worker, step: int) -> dict[str, float]:
     cfg, t = w.config, w.config.train
-    started = time.perf_counter()
+    timer = PhaseTimer()
 
     # 1. prompts: groups step*G .. step*G+G-1, dealt round-robin to the workers
     mine = step_prompts(w.prompts, step, t.groups_per_step, seed=t.seed, shuffle=cfg.data.shuffle)[w.rank::w.world]
     requests = [rollout_request(cfg, prompt, g, lora_version=w.state.adapter_version) for g, prompt in mine]
 
     # 2. rollouts, rewards streamed in as groups finish, all from the adapter the replicas were given last
-    groups, regenerated = _collect_on_policy(w, requests)
+    with timer("rollout"):
+        groups, regenerated = _collect_on_policy(w, requests)
     staleness = max(w.state.adapter_version - s.trajectory.lora_version for s in groups)  # 0: all on-policy
-    rollout_s = time.perf_counter() - started
 
-    # 3. advantages per prompt group, normalised over the whole step's batch
-    rewards = _gather_rewards(groups)  # every group of every worker: {g: RewardScores}
-    ids = sorted(rewards)
-    total = torch.tensor([rewards[g].total for g in ids], dtype=torch.float64)  # [G, n]
-    group_index = torch.tensor(ids).repeat_interleave(total.shape[1])  # [G·n]
-    adv_flat, adv_metrics = group_advantages(total.flatten(), group_index, std_mode=t.adv_std_mode,
-                                             clip_max=t.adv_clip_max)
-    adv_of = {g: adv_flat.view(len(ids), -1)[k] for k, g in enumerate(ids)}  # g -> [n]
+    # 3. advantages per prompt group, normalised over the whole step's batch (every worker's rewards)
+    rewards = _gather_rewards(groups)  # {group id: RewardScores}
+    adv_of, adv_metrics = step_advantages({g: r.total for g, r in rewards.items()}, std_mode=t.adv_std_mode,
+                                          clip_max=t.adv_clip_max)
     advantages = [adv_of[s.trajectory.group_id] for s in groups]
 
     # 4. old log-probs: what the rollout recorded, or the current policy's (before any update this step)
@@ -109,39 +103,16 @@ def train_step(w: Worker, step: int) -> dict[str, float]:
         old = _recompute_log_probs(w, groups, mismatch)
 
     # 5. update: one optimizer step per pass over the batch
-    train_started = time.perf_counter()
     stats = Stats()
-    grad_norm = 0.0
-    for epoch in range(t.num_inner_epochs):
-        w.optimizer.zero_grad(set_to_none=True)
-        first_pass = epoch == 0
-        for s, adv, old_lp in zip(groups, advantages, old, strict=True):
-            traj = s.trajectory
-            steps = trained_steps(traj.num_inference_steps, t.timestep_fraction, seed=t.seed, step=step,
-                                  group=traj.group_id, epoch=epoch)
-            weight = 1.0 / (len(groups) * traj.group_size * len(steps))  # loss = mean over this worker's terms
-            for start in range(0, traj.group_size, t.micro_batch_size):
-                samples = list(range(start, start + t.micro_batch_size))
-                for i in steps:
-                    loss, m = _step_loss(w, traj, i, samples, adv[samples], old_lp[samples, i])
-                    (loss * weight * len(samples)).backward()
-                    stats.add(m, len(samples))
-                    if first_pass:  # nothing has been updated yet: the trainer must score what the rollout did
-                        stats.add({"actor/ratio_dev_first_pass_max": m["actor/ratio_dev_max"]})
-                        if t.old_logprob == "rollout":
-                            mismatch.add({"rollout/logprob_mismatch_max": m["actor/log_ratio_abs_max"]})
-        norm = torch.nn.utils.clip_grad_norm_(w.policy.parameters(), t.max_grad_norm)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
-        w.optimizer.step()
-    train_s = time.perf_counter() - train_started
+    with timer("train"):
+        for epoch in range(t.num_inner_epochs):
+            grad_norm = _train_pass(w, step, epoch, groups, advantages, old, stats, mismatch)
 
     # 6. publish: the replicas serve the new adapter before any worker asks for the next step's rollouts
-    publish_started = time.perf_counter()
-    w.adapter = w.policy.export_adapter(version=step + 1)  # gathers the LoRA only (a collective)
-    lost_replicas = 0
-    if w.rank == 0:
-        lost_replicas = w.aio.run(w.client.publish(w.adapter)).lost
-    dist.barrier()
+    with timer("publish"):
+        w.adapter = w.policy.export_adapter(version=step + 1)  # gathers the LoRA only (a collective)
+        lost_replicas = w.aio.run(w.client.publish(w.adapter)).lost if w.rank == 0 else 0
+        dist.barrier()
     w.state = checkpoint.TrainerState(step=step + 1, adapter_version=w.adapter.version,
                                       data_position=(step + 1) * t.groups_per_step, seed=t.seed)
 
@@ -151,12 +122,10 @@ def train_step(w: Worker, step: int) -> dict[str, float]:
              "rollout/regenerated_groups": float(regenerated),
              "rollout/retries_max": float(sum(s.retries for s in groups)),  # failed attempts seen by one worker
              "rollout/publish_lost_replicas_max": float(lost_replicas)}
-    out = {**_reduce_over_workers(local, w.world), **_reward_metrics(rewards), **adv_metrics,
+    out = {**reduce_over_workers(local, w.world), **reward_metrics(rewards), **adv_metrics,
            "actor/grad_norm": grad_norm, "actor/lr": w.optimizer.param_groups[0]["lr"],
-           "rollout/adapter_version": float(w.adapter.version), "rollout/images": float(total.numel()),
-           "timing/rollout_s": rollout_s, "timing/train_s": train_s,
-           "timing/publish_s": time.perf_counter() - publish_started,
-           "timing/step_s": time.perf_counter() - started}
+           "rollout/adapter_version": float(w.adapter.version),
+           "rollout/images": float(sum(len(r.total) for r in rewards.values())), **timer.metrics()}
     if w.rank == 0 and _log_images_now(cfg, step):
         images = np.concatenate([s.trajectory.images.numpy() for s in groups])
         w.log.log_images(step + 1, images, [s.trajectory.prompt for s in groups],
@@ -173,15 +142,30 @@ def rollout_request(cfg: RunConfig, prompt: str, group: int, lora_version: int |
         group_id=group, lora_version=lora_version)
 
 
-def trained_steps(num_inference_steps: int, fraction: float, *, seed: int, step: int, group: int,
-                  epoch: int) -> list[int]:
-    """Which denoising steps of a group are trained: round(fraction·T) of them (at least one), drawn without
-    replacement from a generator seeded by (seed, step, group, epoch); all of them when fraction = 1."""
-    k = max(1, round(fraction * num_inference_steps))
-    if k >= num_inference_steps:
-        return list(range(num_inference_steps))
-    rng = np.random.default_rng([seed, step, group, epoch])
-    return sorted(int(i) for i in rng.choice(num_inference_steps, size=k, replace=False))
+def _train_pass(w: Worker, step: int, epoch: int, groups: list[ScoredGroup], advantages: list[torch.Tensor],
+                old: list[torch.Tensor], stats: Stats, mismatch: Stats) -> float:
+    """One pass over this worker's groups: `train.timestep_fraction` of each group's steps in micro-batches, the
+    clipped loss (+ β·KL) backpropagated, gradients clipped, one optimizer step. Returns the gradient norm."""
+    t = w.config.train
+    w.optimizer.zero_grad(set_to_none=True)
+    for s, adv, old_lp in zip(groups, advantages, old, strict=True):
+        traj = s.trajectory
+        steps = trained_steps(traj.num_inference_steps, t.timestep_fraction, seed=t.seed, step=step,
+                              group=traj.group_id, epoch=epoch)
+        weight = 1.0 / (len(groups) * traj.group_size * len(steps))  # loss = mean over this worker's terms
+        for start in range(0, traj.group_size, t.micro_batch_size):
+            samples = list(range(start, start + t.micro_batch_size))
+            for i in steps:
+                loss, m = _step_loss(w, traj, i, samples, adv[samples], old_lp[samples, i])
+                (loss * weight * len(samples)).backward()
+                stats.add(m, len(samples))
+                if epoch == 0:  # nothing has been updated yet: the trainer must score what the rollout did
+                    stats.add({"actor/ratio_dev_first_pass_max": m["actor/ratio_dev_max"]})
+                    if t.old_logprob == "rollout":
+                        mismatch.add({"rollout/logprob_mismatch_max": m["actor/log_ratio_abs_max"]})
+    norm = torch.nn.utils.clip_grad_norm_(w.policy.parameters(), t.max_grad_norm)
+    w.optimizer.step()
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
 
 
 def _step_loss(w: Worker, traj, i: int, samples: list[int], adv: torch.Tensor, old_lp: torch.Tensor):
@@ -240,56 +224,6 @@ def _gather_rewards(groups: list[ScoredGroup]) -> dict:
     return {g: r for part in everyone for g, r in part.items()}
 
 
-def _reward_metrics(rewards: dict) -> dict[str, float]:
-    total = np.array([r.total for r in rewards.values()])
-    out = {"reward/mean": float(total.mean()), "reward/std": float(total.std()),
-           "reward/min": float(total.min()), "reward/max": float(total.max())}
-    for name in next(iter(rewards.values())).components:
-        out[f"reward/{name}/mean"] = float(np.mean([r.components[name] for r in rewards.values()]))
-    return out
-
-
-def _extreme(key: str) -> str | None:
-    """Which extreme a metric keeps ("max" for `..._max`, "min" for `..._min`), None for a mean."""
-    return key.rsplit("_", 1)[-1] if key.endswith(("_max", "_min")) else None
-
-
-class Stats:
-    """Weighted means of metrics; keys ending in `_max`/`_min` keep the extreme instead (`_extreme`)."""
-
-    def __init__(self):
-        self.sums, self.weights, self.extremes = defaultdict(float), defaultdict(float), {}
-
-    def add(self, metrics: dict[str, float], weight: float = 1.0) -> None:
-        for key, value in metrics.items():
-            kind = _extreme(key)
-            if kind == "max":
-                self.extremes[key] = max(self.extremes.get(key, -math.inf), value)
-            elif kind == "min":
-                self.extremes[key] = min(self.extremes.get(key, math.inf), value)
-            else:
-                self.sums[key] += weight * value
-                self.weights[key] += weight
-
-    def result(self) -> dict[str, float]:
-        return {**{k: self.sums[k] / self.weights[k] for k in self.sums}, **self.extremes}
-
-
-def _reduce_over_workers(metrics: dict[str, float], world: int) -> dict[str, float]:
-    """Means over workers (each worker has the same number of terms), max/min for `_max`/`_min` keys."""
-    out = {}
-    for kind, op in [("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN), (None, dist.ReduceOp.SUM)]:
-        chosen = sorted(k for k in metrics if _extreme(k) == kind)  # the same keys in the same order on every rank
-        if not chosen:
-            continue
-        values = torch.tensor([metrics[k] for k in chosen], dtype=torch.float64)
-        dist.all_reduce(values, op=op)
-        if kind is None:
-            values /= world
-        out.update(zip(chosen, values.tolist(), strict=True))
-    return out
-
-
 def _log_images_now(cfg: RunConfig, step: int) -> bool:
     every = cfg.logging.image_every
     return step + 1 == cfg.train.num_steps or (every > 0 and (step + 1) % every == 0) or step == 0
@@ -316,22 +250,6 @@ def _report(w: Worker, step: int, metrics: dict[str, float]) -> None:
                         adapter=w.adapter.tensors)  # gathered for publication already
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_dir_name=f"checkpoint_step_{step + 1:06d}")
-
-
-class Progress:
-    """One line per step on the driver's console (Ray forwards worker stdout): the numbers a user watches."""
-
-    def __init__(self, first: int, total: int):
-        self.first, self.total, self.started = first, total, time.perf_counter()
-
-    def step_done(self, step: int, m: dict[str, float]) -> None:
-        done = step + 1 - self.first
-        eta = (time.perf_counter() - self.started) / done * (self.total - step - 1)
-        print(f"[flowgrpo] step {step + 1}/{self.total}  reward {m['reward/mean']:+.4f}  "
-              f"loss {m['actor/loss']:+.2e}  |ratio-1| first pass {m['actor/ratio_dev_first_pass_max']:.1e}  "
-              f"logprob mismatch {m['rollout/logprob_mismatch_max']:.1e}  staleness {m['rollout/staleness_max']:.0f}"
-              f"  {m['timing/step_s']:.1f}s/step  eta {eta:.0f}s",
-              file=sys.__stdout__, flush=True)  # the real stdout: Ray Train's print patch would log it twice
 
 
 def _setup(config: RunConfig, run_dir: Path, client: RolloutClient, aio: asyncio.Runner) -> Worker:

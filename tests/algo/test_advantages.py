@@ -55,3 +55,14 @@ def test_bad_arguments():
         group_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), std_mode="global")
     with pytest.raises(ValueError, match="group_index"):
         group_advantages(torch.zeros(2), torch.zeros(3, dtype=torch.long))
+
+
+def test_step_advantages_keep_each_group_under_its_id():
+    """Groups 7 and 2 (ids out of order, as workers gather them): group 7 = [1, 2, 3], mean 2, population std
+    sqrt(2/3) = 0.816497 → ±1/(0.816497 + 1e-4) = ±1.224557; group 2 = [5, 5, 5] is flat → 0."""
+    from app.algo.advantages import step_advantages
+
+    adv, metrics = step_advantages({7: [1.0, 2.0, 3.0], 2: [5.0, 5.0, 5.0]})
+    a = 1 / ((2 / 3) ** 0.5 + 1e-4)
+    assert adv[7].tolist() == pytest.approx([-a, 0.0, a], rel=1e-6) and adv[2].tolist() == [0.0, 0.0, 0.0]
+    assert metrics["adv/zero_std_frac"] == 0.5

@@ -1,31 +1,11 @@
-"""The loop's small parts: which timesteps are trained, how metrics are averaged, what a rollout request asks."""
+"""What a rollout request of the training loop asks for."""
 
 from pathlib import Path
 
-import pytest
-
 from app.config import load
-from app.train.loop import Stats, rollout_request, trained_steps
+from app.train.loop import rollout_request
 
 REPO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
-
-
-@pytest.mark.parametrize("fraction, expected", [(1.0, 10), (0.5, 5), (0.24, 2), (0.01, 1)])
-def test_trained_steps_count_and_reproducibility(fraction, expected):
-    steps = trained_steps(10, fraction, seed=0, step=3, group=5, epoch=0)
-    assert len(steps) == expected and steps == sorted(set(steps)) and all(0 <= i < 10 for i in steps)
-    assert steps == trained_steps(10, fraction, seed=0, step=3, group=5, epoch=0)
-    if expected < 10:  # other groups/steps/passes draw other subsets (over enough draws)
-        draws = {tuple(trained_steps(10, fraction, seed=0, step=s, group=g, epoch=0)) for s in range(4)
-                 for g in range(4)}
-        assert len(draws) > 1
-
-
-def test_stats_weighted_means_and_extremes():
-    stats = Stats()
-    stats.add({"actor/loss": 1.0, "actor/ratio_max": 1.1, "actor/ratio_min": 0.9}, weight=1)
-    stats.add({"actor/loss": 4.0, "actor/ratio_max": 1.3, "actor/ratio_min": 0.95}, weight=3)
-    assert stats.result() == {"actor/loss": pytest.approx(13 / 4), "actor/ratio_max": 1.3, "actor/ratio_min": 0.9}
 
 
 def test_rollout_request_follows_the_config_and_seeds_per_group():
