@@ -51,7 +51,7 @@ class Worker:
     policy: Policy
     optimizer: torch.optim.Optimizer
     client: RolloutClient
-    aio: asyncio.Runner
+    runner: asyncio.Runner
     prompts: list[str]
     state: checkpoint.TrainerState
     adapter: LoraAdapter | None = None  # what the replicas serve (None: the base model)
@@ -63,11 +63,11 @@ class Worker:
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point. loop_config: {"config": RunConfig, "run_dir": absolute path of the run folder,
     "rollout", "reward", "adapters": DeploymentHandles of the application serving the rollouts and rewards}."""
-    with asyncio.Runner() as aio:
+    with asyncio.Runner() as runner:
         config = loop_config["config"]
         client = RolloutClient(loop_config["rollout"], loop_config["reward"], loop_config["adapters"],
                                retries=config.rollout.request_retries)
-        worker = _setup(config, Path(loop_config["run_dir"]), client, aio)
+        worker = _setup(config, Path(loop_config["run_dir"]), client, runner)
         cfg = worker.config.train
         try:
             for step in range(worker.state.step, cfg.num_steps):
@@ -77,44 +77,45 @@ def train_loop_per_worker(loop_config: dict) -> None:
             worker.log.close()
 
 
-def train_step(w: Worker, step: int) -> dict[str, float]:
-    cfg, t = w.config, w.config.train
+def train_step(worker: Worker, step: int) -> dict[str, float]:
+    cfg, train = worker.config, worker.config.train
     timer = PhaseTimer()
 
     # 1. prompts: groups step*G .. step*G+G-1, dealt round-robin to the workers
-    mine = step_prompts(w.prompts, step, t.groups_per_step, seed=t.seed, shuffle=cfg.data.shuffle)[w.rank::w.world]
-    requests = [rollout_request(cfg, prompt, g, lora_version=w.state.adapter_version) for g, prompt in mine]
+    mine = step_prompts(worker.prompts, step, train.groups_per_step, seed=train.seed,
+                        shuffle=cfg.data.shuffle)[worker.rank::worker.world]
+    requests = [rollout_request(cfg, prompt, g, lora_version=worker.state.adapter_version) for g, prompt in mine]
 
     # 2. rollouts, rewards streamed in as groups finish, all from the adapter the replicas were given last
     with timer("rollout"):
-        groups, regenerated = _collect_on_policy(w, requests)
-    staleness = max(w.state.adapter_version - s.trajectory.lora_version for s in groups)  # 0: all on-policy
+        groups, regenerated = _collect_on_policy(worker, requests)
+    staleness = max(worker.state.adapter_version - s.trajectory.lora_version for s in groups)  # 0: all on-policy
 
     # 3. advantages per prompt group, normalised over the whole step's batch (every worker's rewards)
     rewards = _gather_rewards(groups)  # {group id: RewardScores}
-    adv_of, adv_metrics = step_advantages({g: r.total for g, r in rewards.items()}, std_mode=t.adv_std_mode,
-                                          clip_max=t.adv_clip_max)
+    adv_of, adv_metrics = step_advantages({g: r.total for g, r in rewards.items()}, std_mode=train.adv_std_mode,
+                                          clip_max=train.adv_clip_max)
     advantages = [adv_of[s.trajectory.group_id] for s in groups]
 
     # 4. old log-probs: what the rollout recorded, or the current policy's (before any update this step)
     mismatch = Stats()
     old = [s.trajectory.log_probs for s in groups]  # [n, T] each
-    if t.old_logprob == "recompute":
-        old = _recompute_log_probs(w, groups, mismatch)
+    if train.old_logprob == "recompute":
+        old = _recompute_log_probs(worker, groups, mismatch)
 
     # 5. update: one optimizer step per pass over the batch
     stats = Stats()
     with timer("train"):
-        for epoch in range(t.num_inner_epochs):
-            grad_norm = _train_pass(w, step, epoch, groups, advantages, old, stats, mismatch)
+        for epoch in range(train.num_inner_epochs):
+            grad_norm = _train_pass(worker, step, epoch, groups, advantages, old, stats, mismatch)
 
     # 6. publish: the replicas serve the new adapter before any worker asks for the next step's rollouts
     with timer("publish"):
-        w.adapter = w.policy.export_adapter(version=step + 1)  # gathers the LoRA only (a collective)
-        lost_replicas = w.aio.run(w.client.publish(w.adapter)).lost if w.rank == 0 else 0
+        worker.adapter = worker.policy.export_adapter(version=step + 1)  # gathers the LoRA only (a collective)
+        lost_replicas = worker.runner.run(worker.client.publish(worker.adapter)).lost if worker.rank == 0 else 0
         dist.barrier()
-    w.state = checkpoint.TrainerState(step=step + 1, adapter_version=w.adapter.version,
-                                      data_position=(step + 1) * t.groups_per_step, seed=t.seed)
+    worker.state = checkpoint.TrainerState(step=step + 1, adapter_version=worker.adapter.version,
+                                           data_position=(step + 1) * train.groups_per_step, seed=train.seed)
 
     # 7. metrics, averaged (or max/min) over workers
     local = {**stats.result(), **mismatch.result(),
@@ -122,14 +123,14 @@ def train_step(w: Worker, step: int) -> dict[str, float]:
              "rollout/regenerated_groups": float(regenerated),
              "rollout/retries_max": float(sum(s.retries for s in groups)),  # failed attempts seen by one worker
              "rollout/publish_lost_replicas_max": float(lost_replicas)}
-    out = {**reduce_over_workers(local, w.world), **reward_metrics(rewards), **adv_metrics,
-           "actor/grad_norm": grad_norm, "actor/lr": w.optimizer.param_groups[0]["lr"],
-           "rollout/adapter_version": float(w.adapter.version),
+    out = {**reduce_over_workers(local, worker.world), **reward_metrics(rewards), **adv_metrics,
+           "actor/grad_norm": grad_norm, "actor/lr": worker.optimizer.param_groups[0]["lr"],
+           "rollout/adapter_version": float(worker.adapter.version),
            "rollout/images": float(sum(len(r.total) for r in rewards.values())), **timer.metrics()}
-    if w.rank == 0 and _log_images_now(cfg, step):
+    if worker.rank == 0 and _log_images_now(cfg, step):
         images = np.concatenate([s.trajectory.images.numpy() for s in groups])
-        w.log.log_images(step + 1, images, [s.trajectory.prompt for s in groups],
-                         [{"total": s.rewards.total, **s.rewards.components} for s in groups])
+        worker.log.log_images(step + 1, images, [s.trajectory.prompt for s in groups],
+                              [{"total": s.rewards.total, **s.rewards.components} for s in groups])
     return out
 
 
@@ -142,72 +143,72 @@ def rollout_request(cfg: RunConfig, prompt: str, group: int, lora_version: int |
         group_id=group, lora_version=lora_version)
 
 
-def _train_pass(w: Worker, step: int, epoch: int, groups: list[ScoredGroup], advantages: list[torch.Tensor],
+def _train_pass(worker: Worker, step: int, epoch: int, groups: list[ScoredGroup], advantages: list[torch.Tensor],
                 old: list[torch.Tensor], stats: Stats, mismatch: Stats) -> float:
     """One pass over this worker's groups: `train.timestep_fraction` of each group's steps in micro-batches, the
     clipped loss (+ β·KL) backpropagated, gradients clipped, one optimizer step. Returns the gradient norm."""
-    t = w.config.train
-    w.optimizer.zero_grad(set_to_none=True)
+    train = worker.config.train
+    worker.optimizer.zero_grad(set_to_none=True)
     for s, adv, old_lp in zip(groups, advantages, old, strict=True):
         traj = s.trajectory
-        steps = trained_steps(traj.num_inference_steps, t.timestep_fraction, seed=t.seed, step=step,
+        steps = trained_steps(traj.num_inference_steps, train.timestep_fraction, seed=train.seed, step=step,
                               group=traj.group_id, epoch=epoch)
         weight = 1.0 / (len(groups) * traj.group_size * len(steps))  # loss = mean over this worker's terms
-        for start in range(0, traj.group_size, t.micro_batch_size):
-            samples = list(range(start, start + t.micro_batch_size))
+        for start in range(0, traj.group_size, train.micro_batch_size):
+            samples = list(range(start, start + train.micro_batch_size))
             for i in steps:
-                loss, m = _step_loss(w, traj, i, samples, adv[samples], old_lp[samples, i])
+                loss, terms = _step_loss(worker, traj, i, samples, adv[samples], old_lp[samples, i])
                 (loss * weight * len(samples)).backward()
-                stats.add(m, len(samples))
+                stats.add(terms, len(samples))
                 if epoch == 0:  # nothing has been updated yet: the trainer must score what the rollout did
-                    stats.add({"actor/ratio_dev_first_pass_max": m["actor/ratio_dev_max"]})
-                    if t.old_logprob == "rollout":
-                        mismatch.add({"rollout/logprob_mismatch_max": m["actor/log_ratio_abs_max"]})
-    norm = torch.nn.utils.clip_grad_norm_(w.policy.parameters(), t.max_grad_norm)
-    w.optimizer.step()
+                    stats.add({"actor/ratio_dev_first_pass_max": terms["actor/ratio_dev_max"]})
+                    if train.old_logprob == "rollout":
+                        mismatch.add({"rollout/logprob_mismatch_max": terms["actor/log_ratio_abs_max"]})
+    norm = torch.nn.utils.clip_grad_norm_(worker.policy.parameters(), train.max_grad_norm)
+    worker.optimizer.step()
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
 
 
-def _step_loss(w: Worker, traj, i: int, samples: list[int], adv: torch.Tensor, old_lp: torch.Tensor):
+def _step_loss(worker: Worker, traj, i: int, samples: list[int], adv: torch.Tensor, old_lp: torch.Tensor):
     """Clipped FlowGRPO loss (+ β·KL to the adapter-free reference) of step i for some members of a group."""
-    t = w.config.train
-    (out,) = w.policy.score(traj, [i], samples, flow_grpo_compat=t.flow_grpo_compat)
+    train = worker.config.train
+    (out,) = worker.policy.score(traj, [i], samples, flow_grpo_compat=train.flow_grpo_compat)
     kl = None
-    if t.kl_beta > 0:
-        with torch.no_grad(), w.policy.reference():
-            (ref,) = w.policy.score(traj, [i], samples, flow_grpo_compat=t.flow_grpo_compat)
-        kl = transition_kl(out.prev_sample_mean, ref.prev_sample_mean, out.kl_std(t.flow_grpo_compat))
-    return flow_grpo_loss(out.log_prob, old_lp.to(out.log_prob), adv.to(out.log_prob), clip_range=t.clip_range,
-                          kl=kl, kl_beta=t.kl_beta)
+    if train.kl_beta > 0:
+        with torch.no_grad(), worker.policy.reference():
+            (ref,) = worker.policy.score(traj, [i], samples, flow_grpo_compat=train.flow_grpo_compat)
+        kl = transition_kl(out.prev_sample_mean, ref.prev_sample_mean, out.kl_std(train.flow_grpo_compat))
+    return flow_grpo_loss(out.log_prob, old_lp.to(out.log_prob), adv.to(out.log_prob), clip_range=train.clip_range,
+                          kl=kl, kl_beta=train.kl_beta)
 
 
 @torch.no_grad()
-def _recompute_log_probs(w: Worker, groups: list[ScoredGroup], mismatch: Stats) -> list[torch.Tensor]:
+def _recompute_log_probs(worker: Worker, groups: list[ScoredGroup], mismatch: Stats) -> list[torch.Tensor]:
     """Old log-probs [n, T] per group from the current policy; logs how far the rollout's own are from them."""
     out = []
     for s in groups:
         traj = s.trajectory
         lp = torch.zeros_like(traj.log_probs)
-        for start in range(0, traj.group_size, w.config.train.micro_batch_size):
-            samples = list(range(start, start + w.config.train.micro_batch_size))
-            scored = w.policy.score(traj, range(traj.num_inference_steps), samples,
-                                    flow_grpo_compat=w.config.train.flow_grpo_compat)
+        for start in range(0, traj.group_size, worker.config.train.micro_batch_size):
+            samples = list(range(start, start + worker.config.train.micro_batch_size))
+            scored = worker.policy.score(traj, range(traj.num_inference_steps), samples,
+                                         flow_grpo_compat=worker.config.train.flow_grpo_compat)
             lp[samples] = torch.stack([o.log_prob.float().cpu() for o in scored], dim=1)  # [mb, T]
         mismatch.add({"rollout/logprob_mismatch_max": float((lp - traj.log_probs).abs().max())})
         out.append(lp)
     return out
 
 
-def _collect_on_policy(w: Worker, requests: list[GenerationRequest]) -> tuple[list[ScoredGroup], int]:
+def _collect_on_policy(worker: Worker, requests: list[GenerationRequest]) -> tuple[list[ScoredGroup], int]:
     """The scored groups, every one sampled with the adapter the replicas were last given. Each request names that
     version and a replica serving another loads it from the adapter store first; should a group still come from
     another version (the store itself was restarted), it is regenerated after re-publishing."""
-    expected = w.state.adapter_version  # what the requests ask for
-    groups = w.aio.run(w.client.collect(requests))
+    expected = worker.state.adapter_version  # what the requests ask for
+    groups = worker.runner.run(worker.client.collect(requests))
     stale = [k for k, s in enumerate(groups) if s.trajectory.lora_version != expected]
     if stale:
-        w.aio.run(w.client.publish(w.adapter))  # a no-op on replicas already serving it
-        again = w.aio.run(w.client.collect([requests[k] for k in stale]))
+        worker.runner.run(worker.client.publish(worker.adapter))  # a no-op on replicas already serving it
+        again = worker.runner.run(worker.client.collect([requests[k] for k in stale]))
         for k, s in zip(stale, again, strict=True):
             if s.trajectory.lora_version != expected:
                 raise RuntimeError(f"group {requests[k].group_id} came from adapter version "
@@ -234,30 +235,30 @@ def _checkpoint_now(cfg: RunConfig, step: int) -> bool:
     return step + 1 == cfg.train.num_steps or (every > 0 and (step + 1) % every == 0)
 
 
-def _report(w: Worker, step: int, metrics: dict[str, float]) -> None:
+def _report(worker: Worker, step: int, metrics: dict[str, float]) -> None:
     """Log (rank 0) and report the step to Ray Train, with a checkpoint when one is due (every rank writes its
     part into a folder of the same name; Ray Train merges them into `<run_dir>/checkpoints/`)."""
-    if w.rank == 0:
-        w.log.log(step + 1, metrics)
-        w.ray_metrics.record(images=int(metrics["rollout/images"]), reward_mean=metrics["reward/mean"],
-                             adapter_version=w.adapter.version, step_seconds=metrics["timing/step_s"])
-        w.progress.step_done(step, metrics)
-    if not _checkpoint_now(w.config, step):
+    if worker.rank == 0:
+        worker.log.log(step + 1, metrics)
+        worker.ray_metrics.record(images=int(metrics["rollout/images"]), reward_mean=metrics["reward/mean"],
+                                  adapter_version=worker.adapter.version, step_seconds=metrics["timing/step_s"])
+        worker.progress.step_done(step, metrics)
+    if not _checkpoint_now(worker.config, step):
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint.save(tmp, policy=w.policy, optimizer=w.optimizer, state=w.state, rank=w.rank,
-                        adapter=w.adapter.tensors)  # gathered for publication already
+        checkpoint.save(tmp, policy=worker.policy, optimizer=worker.optimizer, state=worker.state, rank=worker.rank,
+                        adapter=worker.adapter.tensors)  # gathered for publication already
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_dir_name=f"checkpoint_step_{step + 1:06d}")
 
 
-def _setup(config: RunConfig, run_dir: Path, client: RolloutClient, aio: asyncio.Runner) -> Worker:
+def _setup(config: RunConfig, run_dir: Path, client: RolloutClient, runner: asyncio.Runner) -> Worker:
     quiet_this_process(config.logging.verbose)  # e.g. Serve's INFO line when this worker's handles connect
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(config.cluster.worker_num_cpus)))
-    m, t = config.model, config.train
+    model, train = config.model, config.train
     restored = None
     ckpt = ray.train.get_checkpoint()  # set when this run is resumed (same run folder)
     if ckpt is not None:
@@ -267,29 +268,30 @@ def _setup(config: RunConfig, run_dir: Path, client: RolloutClient, aio: asyncio
             torch.set_rng_state(restored.rng)
     device = ray.train.torch.get_device() if config.cluster.use_gpu else torch.device("cpu")
     policy = Policy.from_pretrained(
-        Path(m.path).resolve(), lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=m.lora_target_modules,
-        dtype=getattr(torch, m.dtype), device=device, seed=t.seed,
+        Path(model.path).resolve(), lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
+        target_modules=model.lora_target_modules,
+        dtype=getattr(torch, model.dtype), device=device, seed=train.seed,
         adapter_tensors=restored.adapter if restored else None)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
-    state = checkpoint.TrainerState(seed=t.seed)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
+    state = checkpoint.TrainerState(seed=train.seed)
     adapter = None
     if restored is not None:
         checkpoint.restore_optimizer(policy, optimizer, restored.optimizer)
         state = restored.state
         adapter = policy.export_adapter(version=state.adapter_version) if state.adapter_version > 0 else None
     worker = Worker(config=config, rank=rank, world=world, policy=policy, optimizer=optimizer,
-                    client=client, aio=aio, prompts=load_prompts(config.data.prompts),
+                    client=client, runner=runner, prompts=load_prompts(config.data.prompts),
                     state=state, adapter=adapter)
     if rank == 0:
         # the replicas serve exactly this run's policy: the base model, or the resumed adapter (reset first: a
         # replica may serve an adapter of the same version number from an earlier run, or from before a restart)
-        aio.run(worker.client.publish(None))
+        runner.run(worker.client.publish(None))
         if adapter is not None:
-            aio.run(worker.client.publish(adapter))
+            runner.run(worker.client.publish(adapter))
         if restored is not None:
             print(f"[flowgrpo] continuing from the checkpoint of step {state.step}", file=sys.__stdout__, flush=True)
         worker.log = run_metrics.RunLog(run_dir)
         worker.ray_metrics = run_metrics.RayMetrics(run_dir.name)
-        worker.progress = Progress(first=state.step, total=t.num_steps)
+        worker.progress = Progress(first=state.step, total=train.num_steps)
     dist.barrier()
     return worker

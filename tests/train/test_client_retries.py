@@ -126,7 +126,7 @@ class RecordingClient(RolloutClient):
 def _worker(rollout, adapter_version):
     runner = asyncio.Runner()
     adapter = SimpleNamespace(version=adapter_version)
-    return SimpleNamespace(adapter=adapter, state=SimpleNamespace(adapter_version=adapter_version), aio=runner,
+    return SimpleNamespace(adapter=adapter, state=SimpleNamespace(adapter_version=adapter_version), runner=runner,
                            client=RecordingClient(rollout, StubReward(), retries=0, retry_delay_s=0)), runner
 
 
