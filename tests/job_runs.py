@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -67,10 +69,13 @@ class KilledRun:
     """The job in a subprocess; when rank 0 prints the progress line of step k, the first process titled
     `kills[k]` (a Serve replica, a Ray Train worker) is killed with SIGKILL: it vanishes as a crashed or preempted
     process does, with no chance to clean up. (Should none be alive then, at the next progress line; `missed`
-    says why a kill waited or never happened.)"""
+    says why a kill waited or never happened.) `after[k]`, if given, must hold first: it is polled for up to
+    `patience` seconds (e.g. until Ray Train has registered a checkpoint, which it does at its next poll of the
+    workers, not when they report it)."""
 
-    def __init__(self, *args: str, kills: dict[int, str] | None = None, env: dict | None = None):
-        self.kills = dict(kills or {})
+    def __init__(self, *args: str, kills: dict[int, str] | None = None,
+                 after: dict[int, Callable[[], bool]] | None = None, env: dict | None = None, patience: float = 60):
+        self.kills, self.after, self.patience = dict(kills or {}), dict(after or {}), patience
         self.killed: dict[int, str] = {}  # step -> "pid title" of what was killed
         self.missed: dict[int, str] = {}  # step -> why nothing was killed
         self.lines: list[str] = []
@@ -84,6 +89,9 @@ class KilledRun:
             for step, title in self.kills.items():
                 if step in self.killed or progress is None or int(progress.group(1)) < step:
                     continue
+                if not self._holds(self.after.get(step)):
+                    self.missed[step] = f"its precondition did not hold within {self.patience:.0f} s"
+                    continue
                 try:  # at step k's line, or a later one should no such process be alive then
                     victim = kill_first(title, self.job.pid)
                 except Exception as err:  # reported through `missed`: the watcher never dies silently
@@ -92,6 +100,14 @@ class KilledRun:
                     self.missed.setdefault(step, f"no live process titled {title!r}")
                 else:
                     self.killed[step] = victim
+
+    def _holds(self, condition: Callable[[], bool] | None) -> bool:
+        deadline = time.monotonic() + self.patience
+        while condition is not None and not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
 
     def wait(self, timeout: float = 900) -> int:
         watcher = threading.Thread(target=self._watch, daemon=True)

@@ -51,10 +51,21 @@ def deaths(tmp_path_factory) -> Outcome:
     run_dir, markers = base / "run", {name: base / f"crashed-{name}" for name in CRASHES}
     crash = ",".join(f"{CRASHES[name]}@{markers[name]}" for name in CRASHES)
     run = KilledRun(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "train.checkpoint_every=2",
-                    kills=KILLS, env={"RAY_FLOWGRPO_CRASH": crash})
+                    kills=KILLS, after={3: lambda: checkpoint_registered(run_dir, step=2)},
+                    env={"RAY_FLOWGRPO_CRASH": crash})
     assert run.wait() == 0, run.output[-6000:]
     return Outcome(read_history(run_dir), (run_dir / "metrics.jsonl").read_text().splitlines(), run, run_dir,
                    {name: marker.exists() for name, marker in markers.items()})
+
+
+def checkpoint_registered(run_dir: Path, step: int) -> bool:
+    """Ray Train's controller has registered the checkpoint of `step` (it polls the workers every 2 s, so a
+    worker killed right after reporting one could otherwise take it along, and the run would restart from scratch)."""
+    snapshot = run_dir / "checkpoints" / "checkpoint_manager_snapshot.json"
+    try:
+        return f"checkpoint_step_{step:06d}" in snapshot.read_text()
+    except FileNotFoundError:
+        return False
 
 
 def assert_same_as_uninterrupted(outcome: Outcome, tiny_run: Path) -> None:
