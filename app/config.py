@@ -8,16 +8,21 @@ an error that names the key. `???` marks a value every run must set. Derived siz
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from app.image_size import side_problem
 from app.rewards.composite import REWARD_NAMES
+from app.rewards.ocr import DETECT_MIN_SIDE
+
+if TYPE_CHECKING:
+    from app.types import GenerationRequest
 
 
 # Enumerated choices: OmegaConf refuses any other value and names the key; members compare equal to their strings.
@@ -53,6 +58,13 @@ class AdvStdMode(StrEnum):
 class OldLogprob(StrEnum):
     rollout = "rollout"  # as the engine recorded them
     recompute = "recompute"  # one extra forward of the current policy
+
+
+class LogLevel(StrEnum):
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
 
 
 class ConfigError(ValueError):
@@ -102,10 +114,26 @@ class RolloutConfig:
     num_replicas: int = 1
     replica_num_cpus: float = 1.0
     replica_num_gpus: float = 0.0
-    # concurrent requests one replica accepts (vllm-omni batches them internally)
+    # concurrent requests one replica accepts (vllm-omni queues them and batches up to max_num_seqs per forward)
     max_ongoing_requests: int = 4
+    max_num_seqs: int = 1
     # a group whose generation or reward failed (replica lost, engine error) is asked again this many times
     request_retries: int = 3
+
+    def request(self, prompt: str, **fields: Any) -> GenerationRequest:
+        """A request for one prompt group sampled as this section says; `fields` set anything else (seed,
+        group_id, lora_version) or differ from it (n, size, steps, ...)."""
+        from app.types import GenerationRequest  # torch: not needed to read a config
+
+        guidance = fields.pop("guidance_scale", self.guidance_scale)
+        negative = fields.pop("negative_prompt", self.negative_prompt)
+        return GenerationRequest(
+            prompt=prompt, n=fields.pop("n", self.group_size), height=fields.pop("height", self.height),
+            width=fields.pop("width", self.width),
+            num_inference_steps=fields.pop("num_inference_steps", self.num_inference_steps),
+            guidance_scale=guidance, negative_prompt=negative if guidance > 1 else None,
+            noise_level=fields.pop("noise_level", self.noise_level), sde_type=fields.pop("sde_type", self.sde_type),
+            **fields)
 
 
 @dataclass
@@ -115,9 +143,30 @@ class RewardConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"ocr": 1.0})
     # the OCR detector enlarges images whose shorter side is below this (RapidOCR's default 736); small images
     # read the same text without it at a fraction of the cost
-    ocr_detect_min_side: int = 736
+    ocr_detect_min_side: int = DETECT_MIN_SIDE
     num_replicas: int = 1
     replica_num_cpus: float = 1.0
+    # concurrent groups one replica scores in one call (Serve's @serve.batch)
+    max_batch_size: int = 8
+
+
+@dataclass
+class ServeConfig:
+    """The Serve application's own settings; it shares the model, rollout and reward sections with training."""
+
+    # what one HTTP request may ask for (protects replicas from requests they cannot serve in time)
+    max_n: int = 16
+    max_side: int = 1024
+    max_steps: int = 50
+    max_reward_images: int = 64
+    max_image_bytes: int = 8 * 2**20
+    # CPUs of the HTTP ingress replica
+    api_num_cpus: float = 0.25
+    # torch threads of each rollout and reward replica (replicas share cores: more threads oversubscribe them)
+    replica_torch_threads: int = 1
+    # replicas' log level (Serve, vllm); WARNING also drops Serve's per-request access log.
+    # None: INFO for `serve run`; a training run follows logging.verbose
+    log_level: LogLevel | None = None
 
 
 @dataclass
@@ -185,6 +234,20 @@ class ClusterConfig:
 
 
 @dataclass
+class AppConfig:
+    """The Serve application (`serve run serve_config.yaml`, whose `args:` are these sections): the run config's
+    model, rollout and reward sections, bound whole to the deployments, and the serve section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+    def __post_init__(self) -> None:
+        _check_app(self)
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -193,9 +256,15 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # the rollout/reward application the run deploys (its HTTP API stays up while training)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def __post_init__(self) -> None:
+        _check_app(self)
         _check_run(self)
+
+    def app(self) -> AppConfig:
+        return AppConfig(model=self.model, rollout=self.rollout, reward=self.reward, serve=self.serve)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -203,41 +272,67 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _check_run(c: RunConfig) -> None:
-    m, r, t, cl = c.model, c.rollout, c.train, c.cluster
-    _require(m.lora_rank >= 1, f"model.lora_rank={m.lora_rank} must be >= 1")
-    _require(r.group_size >= 2, f"rollout.group_size={r.group_size} must be >= 2: advantages compare a group's images")
+def _check_app(config: AppConfig | RunConfig) -> None:
+    """The sections a Serve application is built from (a RunConfig has them too)."""
+    model, rollout, reward, serve = config.model, config.rollout, config.reward, config.serve
+    _require(model.lora_rank >= 1, f"model.lora_rank={model.lora_rank} must be >= 1")
     for name in ("height", "width"):
-        value = getattr(r, name)
+        value = getattr(rollout, name)
         problem = side_problem(value)
         _require(problem is None, f"rollout.{name}={value} {problem}")
-    _require(r.num_inference_steps >= 2,
-             f"rollout.num_inference_steps={r.num_inference_steps} must be >= 2 (one step divides by zero)")
-    _require(r.noise_level >= 0, f"rollout.noise_level={r.noise_level} must be >= 0")
-    _require(r.guidance_scale >= 1.0, f"rollout.guidance_scale={r.guidance_scale} must be >= 1 (1 disables CFG)")
-    _require(r.num_replicas >= 1, f"rollout.num_replicas={r.num_replicas} must be >= 1")
-    _require(bool(c.reward.weights), "reward.weights is empty: name at least one reward, e.g. {ocr: 1.0}")
-    unknown = sorted(set(c.reward.weights) - set(REWARD_NAMES))
+    _require(rollout.num_inference_steps >= 2,
+             f"rollout.num_inference_steps={rollout.num_inference_steps} must be >= 2 (one step divides by zero)")
+    _require(rollout.noise_level >= 0, f"rollout.noise_level={rollout.noise_level} must be >= 0")
+    _require(rollout.guidance_scale >= 1.0,
+             f"rollout.guidance_scale={rollout.guidance_scale} must be >= 1 (1 disables CFG)")
+    for name in ("num_replicas", "max_ongoing_requests", "max_num_seqs"):
+        _require(getattr(rollout, name) >= 1, f"rollout.{name}={getattr(rollout, name)} must be >= 1")
+    _require(rollout.replica_num_cpus > 0 and rollout.replica_num_gpus >= 0,
+             f"rollout.replica_num_cpus={rollout.replica_num_cpus} must be > 0 and "
+             f"rollout.replica_num_gpus={rollout.replica_num_gpus} >= 0")
+    _require(bool(reward.weights), "reward.weights is empty: name at least one reward, e.g. {ocr: 1.0}")
+    unknown = sorted(set(reward.weights) - set(REWARD_NAMES))
     _require(not unknown, f"reward.weights names unknown rewards {unknown}: known are {list(REWARD_NAMES)}")
-    _require(c.reward.ocr_detect_min_side >= 32,
-             f"reward.ocr_detect_min_side={c.reward.ocr_detect_min_side} must be >= 32 (the OCR detector's least)")
-    _require(r.request_retries >= 0, f"rollout.request_retries={r.request_retries} must be >= 0")
-    _require(t.max_failures >= -1, f"train.max_failures={t.max_failures} must be >= 0 (or -1: no limit)")
-    _require(0 < t.timestep_fraction <= 1, f"train.timestep_fraction={t.timestep_fraction} must be in (0, 1]")
-    _require(t.clip_range > 0, f"train.clip_range={t.clip_range} must be > 0")
-    _require(t.kl_beta >= 0, f"train.kl_beta={t.kl_beta} must be >= 0")
-    _require(cl.num_workers >= 1, f"cluster.num_workers={cl.num_workers} must be >= 1")
-    _require(t.groups_per_step % cl.num_workers == 0,
-             f"train.groups_per_step={t.groups_per_step} must be divisible by cluster.num_workers={cl.num_workers} "
+    _require(reward.ocr_detect_min_side >= 32,
+             f"reward.ocr_detect_min_side={reward.ocr_detect_min_side} must be >= 32 (the OCR detector's least)")
+    _require(reward.num_replicas >= 1 and reward.max_batch_size >= 1 and reward.replica_num_cpus > 0,
+             f"reward.num_replicas={reward.num_replicas} and reward.max_batch_size={reward.max_batch_size} "
+             "must be >= 1, "
+             f"reward.replica_num_cpus={reward.replica_num_cpus} > 0")
+    for name in ("max_n", "max_side", "max_steps", "max_reward_images", "max_image_bytes", "replica_torch_threads"):
+        _require(getattr(serve, name) >= 1, f"serve.{name}={getattr(serve, name)} must be >= 1")
+    _require(serve.api_num_cpus > 0, f"serve.api_num_cpus={serve.api_num_cpus} must be > 0")
+    # a request that leaves size or steps out gets the rollout section's: the limits must admit them
+    _require(max(rollout.height, rollout.width) <= serve.max_side,
+             f"serve.max_side={serve.max_side} is below rollout's {rollout.width}x{rollout.height}, the size of "
+             "a request that names none: raise serve.max_side")
+    _require(rollout.num_inference_steps <= serve.max_steps,
+             f"serve.max_steps={serve.max_steps} is below rollout.num_inference_steps="
+             f"{rollout.num_inference_steps}, the steps of a request that names none: raise serve.max_steps")
+
+
+def _check_run(config: RunConfig) -> None:
+    rollout, train, cluster = config.rollout, config.train, config.cluster
+    _require(rollout.group_size >= 2,
+             f"rollout.group_size={rollout.group_size} must be >= 2: advantages compare a group's images")
+    _require(rollout.request_retries >= 0, f"rollout.request_retries={rollout.request_retries} must be >= 0")
+    _require(train.max_failures >= -1, f"train.max_failures={train.max_failures} must be >= 0 (or -1: no limit)")
+    _require(0 < train.timestep_fraction <= 1, f"train.timestep_fraction={train.timestep_fraction} must be in (0, 1]")
+    _require(train.clip_range > 0, f"train.clip_range={train.clip_range} must be > 0")
+    _require(train.kl_beta >= 0, f"train.kl_beta={train.kl_beta} must be >= 0")
+    _require(cluster.num_workers >= 1, f"cluster.num_workers={cluster.num_workers} must be >= 1")
+    _require(train.groups_per_step % cluster.num_workers == 0,
+             f"train.groups_per_step={train.groups_per_step} must be divisible by "
+             f"cluster.num_workers={cluster.num_workers} "
              "(each worker requests the same number of groups)")
-    _require(t.micro_batch_size >= 1 and r.group_size % t.micro_batch_size == 0,
-             f"train.micro_batch_size={t.micro_batch_size} must divide rollout.group_size={r.group_size} "
+    _require(train.micro_batch_size >= 1 and rollout.group_size % train.micro_batch_size == 0,
+             f"train.micro_batch_size={train.micro_batch_size} must divide rollout.group_size={rollout.group_size} "
              "(a micro-batch holds images of one prompt group, which share the prompt embeddings)")
-    _require(t.num_inner_epochs >= 1, f"train.num_inner_epochs={t.num_inner_epochs} must be >= 1")
-    _require(t.num_steps >= 0, f"train.num_steps={t.num_steps} must be >= 0")
-    _require(t.checkpoint_every >= 0, f"train.checkpoint_every={t.checkpoint_every} must be >= 0")
-    _require(t.learning_rate >= 0, f"train.learning_rate={t.learning_rate} must be >= 0")
-    _require(r.noise_level > 0 or t.num_steps == 0,
+    _require(train.num_inner_epochs >= 1, f"train.num_inner_epochs={train.num_inner_epochs} must be >= 1")
+    _require(train.num_steps >= 0, f"train.num_steps={train.num_steps} must be >= 0")
+    _require(train.checkpoint_every >= 0, f"train.checkpoint_every={train.checkpoint_every} must be >= 0")
+    _require(train.learning_rate >= 0, f"train.learning_rate={train.learning_rate} must be >= 0")
+    _require(rollout.noise_level > 0 or train.num_steps == 0,
              "rollout.noise_level=0 samples the deterministic ODE: there is nothing to train; set it > 0")
 
 
@@ -253,6 +348,10 @@ def _format_omegaconf_error(err: OmegaConfBaseException, source: str) -> str:
 REPLACED_MAPPINGS = ("reward.weights",)
 
 
+def _replaced(layer) -> list[str]:
+    return [k for k in REPLACED_MAPPINGS if OmegaConf.select(layer, k) is not None]
+
+
 def _layers(path, overrides) -> list[tuple[str, Any, list[str]]]:
     """(source, config layer, mapping settings it replaces) in merge order: the YAML, then each override."""
     for item in overrides:
@@ -262,7 +361,7 @@ def _layers(path, overrides) -> list[tuple[str, Any, list[str]]]:
     try:
         if path is not None:
             yaml = OmegaConf.load(path)
-            layers.append((str(path), yaml, [k for k in REPLACED_MAPPINGS if OmegaConf.select(yaml, k) is not None]))
+            layers.append((str(path), yaml, _replaced(yaml)))
         for item in overrides:
             key = item.split("=", 1)[0].strip()
             layers.append(("overrides", OmegaConf.from_dotlist([item]), [key] if key in REPLACED_MAPPINGS else []))
@@ -273,14 +372,31 @@ def _layers(path, overrides) -> list[tuple[str, Any, list[str]]]:
 
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """The run config from a YAML file (optional) and `key=value` overrides, validated."""
-    merged: Any = OmegaConf.structured(RunConfig)  # the class, not an instance: no checks before values merge
-    for source, layer, replaced in _layers(path, overrides):
+    return _merged(RunConfig, _layers(path, overrides), str(path or "overrides"))
+
+
+def load_app(args: Mapping | AppConfig) -> AppConfig:
+    """The Serve application's config from serve_config.yaml's `args:` (sections model, rollout, reward, serve),
+    validated as a run config's sections are."""
+    if isinstance(args, AppConfig):
+        return args
+    source = "the application's args"
+    try:
+        layer = OmegaConf.create(dict(args))
+    except OmegaConfBaseException as err:
+        raise ConfigError(_format_omegaconf_error(err, source)) from None
+    return _merged(AppConfig, [(source, layer, _replaced(layer))], source)
+
+
+def _merged(schema: type, layers: list[tuple[str, Any, list[str]]], source: str):
+    merged: Any = OmegaConf.structured(schema)  # the class, not an instance: no checks before values merge
+    for origin, layer, replaced in layers:
         try:
             for key in replaced:
                 OmegaConf.update(merged, key, {}, merge=False)
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
-            raise ConfigError(_format_omegaconf_error(err, source)) from None
+            raise ConfigError(_format_omegaconf_error(err, origin)) from None
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise ConfigError(f"required config values are not set: {', '.join(missing)} (set them in the YAML or as "
@@ -288,7 +404,7 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        raise ConfigError(_format_omegaconf_error(err, str(path or "overrides"))) from None
+        raise ConfigError(_format_omegaconf_error(err, source)) from None
 
 
 def to_yaml(config: RunConfig) -> str:

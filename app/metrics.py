@@ -16,15 +16,26 @@ import numpy as np
 
 class RunLog:
     """Rank 0's record of a run under `run_dir`: tensorboard events (`tensorboard/`), one JSON line per step
-    (`metrics.jsonl`, what the reward curve is drawn from) and image grids (`images/step_XXXXXX.png`)."""
+    (`metrics.jsonl`, what the reward curve is drawn from), image grids (`images/step_XXXXXX.png`), Ray metrics
+    (tagged with the run folder's name) and the console's progress line."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, *, first_step: int, total_steps: int):
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = Path(run_dir)
         (self.dir / "images").mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(str(self.dir / "tensorboard"))
         self.history = self.dir / "metrics.jsonl"
+        self.ray_metrics = RayMetrics(self.dir.name)
+        self.progress = Progress(first=first_step, total=total_steps)
+
+    def step_done(self, step: int, metrics: dict[str, float]) -> None:
+        """Step `step` (0-based) is done: its metrics to tensorboard, the history and Ray; its progress line."""
+        self.log(step + 1, metrics)
+        self.ray_metrics.record(images=int(metrics["rollout/images"]), reward_mean=metrics["reward/mean"],
+                                adapter_version=int(metrics["rollout/adapter_version"]),
+                                step_seconds=metrics["timing/step_s"])
+        self.progress.step_done(step, metrics)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
@@ -176,6 +187,9 @@ class RayMetrics:
 class NullRunLog:
     """What ranks other than 0 log: nothing (the same methods as `RunLog`)."""
 
+    def step_done(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         pass
 
@@ -265,11 +279,12 @@ class Progress:
     def __init__(self, first: int, total: int):
         self.first, self.total, self.started = first, total, time.perf_counter()
 
-    def step_done(self, step: int, m: dict[str, float]) -> None:
+    def step_done(self, step: int, metrics: dict[str, float]) -> None:
         done = step + 1 - self.first
         eta = (time.perf_counter() - self.started) / done * (self.total - step - 1)
-        print(f"[flowgrpo] step {step + 1}/{self.total}  reward {m['reward/mean']:+.4f}  "
-              f"loss {m['actor/loss']:+.2e}  |ratio-1| first pass {m['actor/ratio_dev_first_pass_max']:.1e}  "
-              f"logprob mismatch {m['rollout/logprob_mismatch_max']:.1e}  staleness {m['rollout/staleness_max']:.0f}"
-              f"  {m['timing/step_s']:.1f}s/step  eta {eta:.0f}s",
+        reward, loss = metrics["reward/mean"], metrics["actor/loss"]
+        ratio_dev, mismatch = metrics["actor/ratio_dev_first_pass_max"], metrics["rollout/logprob_mismatch_max"]
+        print(f"[flowgrpo] step {step + 1}/{self.total}  reward {reward:+.4f}  loss {loss:+.2e}  "
+              f"|ratio-1| first pass {ratio_dev:.1e}  logprob mismatch {mismatch:.1e}  "
+              f"staleness {metrics['rollout/staleness_max']:.0f}  {metrics['timing/step_s']:.1f}s/step  eta {eta:.0f}s",
               file=sys.__stdout__, flush=True)  # the real stdout: Ray Train's print patch would log it twice

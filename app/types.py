@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
@@ -27,21 +27,23 @@ def _fail(name: str, value, why: str) -> None:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt group: `n` images of `prompt`, sampled with the FlowGRPO SDE."""
+    """One prompt group: `n` images of `prompt`, sampled with the FlowGRPO SDE. The sampling settings have no
+    defaults here: `RolloutConfig.request` fills them from a config's rollout section, their one home."""
 
     prompt: str
+    _: KW_ONLY
+    height: int
+    width: int
+    # denoising steps T
+    num_inference_steps: int
+    # η of the SDE; 0 samples the ODE (deterministic, nothing to train on)
+    noise_level: float
+    sde_type: str
     # images in the group (the GRPO group size)
     n: int = 1
-    height: int = 512
-    width: int = 512
-    # denoising steps T
-    num_inference_steps: int = 10
     # Qwen-Image true CFG; > 1 needs a negative prompt
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
-    # η of the SDE; 0 samples the ODE (deterministic, nothing to train on)
-    noise_level: float = 0.7
-    sde_type: str = "sde"
     # seeds the whole group (initial noise and every SDE step); None: the engine draws one and records it
     seed: int | None = None
     # index of the group's first image: a per-sample request for image j of a group sets n=1, sample_offset=j

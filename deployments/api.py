@@ -25,29 +25,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.config import RolloutConfig, SdeType, ServeConfig
 from app.image_size import side_problem
 from app.types import MAX_SEED, GenerationRequest, Trajectory
-
-
-class ApiLimits(BaseModel):
-    """What one request may ask for (protects replicas from requests they cannot serve in time)."""
-
-    max_n: int = 16
-    max_side: int = 1024
-    max_steps: int = 50
-    max_reward_images: int = 64
-    max_image_bytes: int = 8 * 2**20
-
-
-class GenerationDefaults(BaseModel):
-    """Values used when a request leaves them out (from the run config's rollout section)."""
-
-    size: str = "512x512"
-    num_inference_steps: int = 10
-    noise_level: float = 0.7
-    sde_type: Literal["sde", "cps"] = "sde"
-    guidance: float = 1.0
-    negative_prompt: str = " "
 
 
 class ImageGenerationBody(BaseModel):
@@ -61,7 +41,7 @@ class ImageGenerationBody(BaseModel):
     num_inference_steps: int | None = Field(None, ge=2)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     noise_level: float | None = Field(None, ge=0, le=10)
-    sde_type: Literal["sde", "cps"] | None = None
+    sde_type: SdeType | None = None
     guidance: float | None = Field(None, ge=1, le=30)
     negative_prompt: str | None = None
     return_trajectory: bool = False
@@ -145,17 +125,18 @@ def _decode_image(data: str, index: int, max_bytes: int) -> np.ndarray:
 
 
 class ApiIngress:
-    def __init__(self, rollout, reward, limits: ApiLimits | None = None,
-                 defaults: GenerationDefaults | None = None, adapters=None):
-        self.rollout, self.reward, self.adapters = rollout, reward, adapters  # DeploymentHandles
-        self.limits = limits or ApiLimits()
-        self.defaults = defaults or GenerationDefaults()
+    def __init__(self, rollout, reward, adapters=None, *, sampling: RolloutConfig | None = None,
+                 limits: ServeConfig | None = None):
+        """rollout, reward, adapters: DeploymentHandles; a request that leaves a sampling setting out gets
+        `sampling`'s (the rollout section); `limits`: what one request may ask for (the serve section)."""
+        self.rollout, self.reward, self.adapters = rollout, reward, adapters
+        self.sampling, self.limits = sampling or RolloutConfig(), limits or ServeConfig()
 
     def _generation_request(self, body: ImageGenerationBody) -> GenerationRequest:
-        lim, d = self.limits, self.defaults
+        lim, d = self.limits, self.sampling
         if body.n > lim.max_n:
             raise ApiError(400, f"n={body.n} is more than this deployment's limit of {lim.max_n}", "n")
-        width, height = (int(v) for v in (body.size or d.size).split("x"))
+        width, height = (int(v) for v in body.size.split("x")) if body.size else (d.width, d.height)
         for name, value in (("width", width), ("height", height)):
             if problem := side_problem(value):
                 raise ApiError(400, f"size={body.size!r}: {name} {value} {problem}", "size")
@@ -165,15 +146,11 @@ class ApiIngress:
         if steps > lim.max_steps:
             raise ApiError(400, f"num_inference_steps={steps} is over the limit of {lim.max_steps}",
                            "num_inference_steps")
-        guidance = body.guidance if body.guidance is not None else d.guidance
+        given = {"guidance_scale": body.guidance, "negative_prompt": body.negative_prompt,
+                 "noise_level": body.noise_level, "sde_type": body.sde_type}
         try:
-            return GenerationRequest(
-                prompt=body.prompt, n=body.n, height=height, width=width, num_inference_steps=steps,
-                guidance_scale=guidance,
-                negative_prompt=(body.negative_prompt if body.negative_prompt is not None else d.negative_prompt)
-                if guidance > 1 else None,
-                noise_level=body.noise_level if body.noise_level is not None else d.noise_level,
-                sde_type=body.sde_type or d.sde_type, seed=body.seed)
+            return d.request(body.prompt, n=body.n, height=height, width=width, num_inference_steps=steps,
+                             seed=body.seed, **{k: v for k, v in given.items() if v is not None})
         except ValueError as err:
             raise ApiError(400, str(err), str(err).split("=")[0]) from None
 

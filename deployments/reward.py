@@ -6,17 +6,17 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from app.config import RewardConfig
 from app.rewards import RewardScores, build_reward
 
 
 class RewardScorer:
-    def __init__(self, weights: dict[str, float], *, options: dict[str, dict] | None = None,
-                 torch_threads: int | None = 1, log_level: str = "INFO"):
+    def __init__(self, reward: RewardConfig, *, torch_threads: int | None = 1, log_level: str = "INFO"):
         if torch_threads:
             import torch
 
             torch.set_num_threads(torch_threads)
-        self.reward = build_reward(weights, options)
+        self.reward = build_reward(reward.weights, {"ocr": {"detect_min_side": reward.ocr_detect_min_side}})
         logging.getLogger("RapidOCR").setLevel(log_level)  # its own handler, INFO by default
         self.scored = 0
 

@@ -7,22 +7,23 @@ import asyncio
 import os
 import socket
 
-from app.config import Engine
+from app.config import Engine, ModelConfig, RolloutConfig
 from app.faults import crash_point
 from app.types import GenerationRequest, LoraAdapter, Trajectory
 
 
-def make_engine(kind: str, model_path: str, *, dtype: str = "float32", batched_groups: bool = True,
-                max_num_seqs: int = 1):
-    if kind == "vllm_omni":
+def make_engine(model: ModelConfig, rollout: RolloutConfig):
+    """The engine `rollout.engine` names, for the checkpoint at `model.path`."""
+    if rollout.engine == Engine.vllm_omni:
         from app.rollout.vllm_omni.engine import VllmOmniEngine
 
-        return VllmOmniEngine(model_path, dtype=dtype, batched_groups=batched_groups, max_num_seqs=max_num_seqs)
-    if kind == "diffusers":
+        return VllmOmniEngine(model.path, dtype=model.dtype, batched_groups=rollout.batched_groups,
+                              max_num_seqs=rollout.max_num_seqs)
+    if rollout.engine == Engine.diffusers:
         from app.rollout.diffusers_engine import DiffusersEngine
 
-        return DiffusersEngine(model_path, dtype=dtype)
-    raise ValueError(f"engine={kind!r} is not one of {[e.value for e in Engine]}")
+        return DiffusersEngine(model.path, dtype=model.dtype)
+    raise ValueError(f"rollout.engine={rollout.engine!r} is not one of {[e.value for e in Engine]}")
 
 
 def _replica_id() -> str:
@@ -40,15 +41,14 @@ class AdapterUnavailable(RuntimeError):
 
 
 class RolloutReplica:
-    def __init__(self, model_path: str, *, adapters=None, engine: str = "vllm_omni", dtype: str = "float32",
-                 batched_groups: bool = True, max_num_seqs: int = 1, torch_threads: int | None = None):
-        """adapters: handle of the `AdapterStore` deployment (None outside Serve: adapters only by `load_lora`)."""
+    def __init__(self, model: ModelConfig, rollout: RolloutConfig, *, adapters=None, torch_threads: int | None = None):
+        """The run config's sections, whole; adapters: handle of the `AdapterStore` deployment (None outside
+        Serve: adapters only by `load_lora`)."""
         if torch_threads:
             import torch
 
             torch.set_num_threads(torch_threads)
-        self.engine = make_engine(engine, model_path, dtype=dtype, batched_groups=batched_groups,
-                                  max_num_seqs=max_num_seqs)
+        self.engine = make_engine(model, rollout)
         self.adapters = adapters
         self._adapter_lock = asyncio.Lock()  # a reset and the load that follows it happen together
         self.replica_id = _replica_id()

@@ -14,7 +14,6 @@ import sys
 import time
 
 from app.config import load
-from app.types import GenerationRequest
 from jobs.report import emit_json_line
 
 PROMPTS = ['a sign that says "OPEN"', 'a poster that says "RAY"', 'text reading "HELLO"', 'a neon sign "GRPO"']
@@ -40,17 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from app.rollout.client import RolloutClient
-    from deployments.builders import APP_NAME, app_args_from_config, build_app
+    from deployments.builders import APP_NAME, build_app
     from deployments.client import handles
 
     ray.init(address=config.cluster.address, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    serve.run(build_app(app_args_from_config(config)), name=APP_NAME, route_prefix=None)
+    serve.run(build_app(config.app()), name=APP_NAME, route_prefix=None)
     client = RolloutClient(*handles(APP_NAME))
     ro = config.rollout
-    requests = [GenerationRequest(PROMPTS[i % len(PROMPTS)], n=ro.group_size, height=ro.height, width=ro.width,
-                                  num_inference_steps=ro.num_inference_steps, noise_level=ro.noise_level, seed=i)
-                for i in range(args.groups)]
+    requests = [ro.request(PROMPTS[i % len(PROMPTS)], seed=i) for i in range(args.groups)]
 
     async def bench() -> dict:
         await _run(client, requests, True)  # warm-up: every replica has served

@@ -21,7 +21,6 @@ from tqdm import tqdm
 from app.config import load
 from app.models.tiny import build_tiny_qwen_image
 from app.rollout.vllm_omni.engine import VllmOmniEngine
-from app.types import GenerationRequest
 from jobs.report import emit_json_line
 
 PROMPTS = ['a sign that says "OPEN"', "a red cube on a blue table", "a photo of a cat", 'text reading "HELLO"']
@@ -40,13 +39,10 @@ async def _timed(label: str, run, requests, repeats: int) -> float:
 async def bench(config, groups: int, repeats: int) -> dict:
     if config.model.build_tiny:
         build_tiny_qwen_image(config.model.path, seed=config.model.tiny_seed)
-    ro = config.rollout
-    engine = VllmOmniEngine(config.model.path, dtype=config.model.dtype)
+    engine = VllmOmniEngine(config.model.path, dtype=config.model.dtype, max_num_seqs=config.rollout.max_num_seqs)
     await engine.start()
-    requests = [GenerationRequest(PROMPTS[i % len(PROMPTS)], n=ro.group_size, height=ro.height, width=ro.width,
-                                  num_inference_steps=ro.num_inference_steps, noise_level=ro.noise_level,
-                                  sde_type=ro.sde_type, seed=i)
-                for i in range(groups)]
+    requests = [config.rollout.request(PROMPTS[i % len(PROMPTS)], seed=i) for i in range(groups)]
+    ro = config.rollout
     images = groups * ro.group_size
     await engine.generate(requests[0])  # warm-up: first-call allocations
     await engine.generate_plain(requests[0])

@@ -12,6 +12,7 @@ The config is checked before anything starts: a bad one is a one-line error that
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -83,7 +84,7 @@ def deploy_serve_app(config: RunConfig):
     from ray import serve
 
     from app.console import log_level
-    from deployments.builders import APP_NAME, app_args_from_config, build_app
+    from deployments.builders import APP_NAME, build_app
     from deployments.client import handles
 
     level = log_level(config.logging.verbose)
@@ -91,7 +92,10 @@ def deploy_serve_app(config: RunConfig):
                 logging_config={"log_level": level})  # the controller and proxy
     print(f"deploying the rollout/reward application ({config.rollout.num_replicas} rollout replicas, "
           f"{config.reward.num_replicas} reward replicas)...", flush=True)
-    serve.run(build_app(app_args_from_config(config, log_level=level)), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+    app = config.app()
+    if app.serve.log_level is None:  # the replicas follow logging.verbose unless serve.log_level says otherwise
+        app = dataclasses.replace(app, serve=dataclasses.replace(app.serve, log_level=level))
+    serve.run(build_app(app), name=APP_NAME, route_prefix=f"/{APP_NAME}")
     return handles(APP_NAME)
 
 
@@ -122,20 +126,21 @@ def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters):
 
 def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None, *, resume: bool) -> str:
     """What is about to run, in a few lines (the console's first lines)."""
-    m, r, t, cl = config.model, config.rollout, config.train, config.cluster
-    rewards = " + ".join(f"{w:g}·{name}" for name, w in config.reward.weights.items())
+    model, rollout, train, cluster = config.model, config.rollout, config.train, config.cluster
+    rewards = " + ".join(f"{weight:g}·{name}" for name, weight in config.reward.weights.items())
+    tiny = " (tiny, built locally)" if model.build_tiny else ""
+    backend = "GPU, nccl" if cluster.use_gpu else "CPU, gloo"
     return "\n".join([
-        f"ray-flowgrpo: FlowGRPO LoRA training of {m.path}{' (tiny, built locally)' if m.build_tiny else ''}",
+        f"ray-flowgrpo: FlowGRPO LoRA training of {model.path}{tiny}",
         f"  run folder:  {run_dir}{' (resuming)' if resume else ''}",
-        f"  cluster:     {cl.address or 'local Ray cluster'}"
+        f"  cluster:     {cluster.address or 'local Ray cluster'}"
         + (f", dashboard http://{dashboard_url}" if dashboard_url else ""),
-        f"  rollout:     {r.engine} engine x {r.num_replicas} replicas; groups of {r.group_size}, "
-        f"{r.width}x{r.height}, "
-        f"{r.num_inference_steps} steps, noise level {r.noise_level:g}",
+        f"  rollout:     {rollout.engine} engine x {rollout.num_replicas} replicas; groups of {rollout.group_size}, "
+        f"{rollout.width}x{rollout.height}, {rollout.num_inference_steps} steps, noise level {rollout.noise_level:g}",
         f"  reward:      {rewards} ({config.reward.num_replicas} replicas)",
-        f"  training:    {cl.num_workers} FSDP2 workers ({'GPU, nccl' if cl.use_gpu else 'CPU, gloo'}); {t.num_steps} "
-        f"steps of {t.groups_per_step} groups; LoRA rank {m.lora_rank}, lr {t.learning_rate:g}; a checkpoint every "
-        f"{t.checkpoint_every or t.num_steps} steps; up to {t.max_failures} worker-group restarts",
+        f"  training:    {cluster.num_workers} FSDP2 workers ({backend}); {train.num_steps} steps of "
+        f"{train.groups_per_step} groups; LoRA rank {model.lora_rank}, lr {train.learning_rate:g}; a checkpoint "
+        f"every {train.checkpoint_every or train.num_steps} steps; up to {train.max_failures} worker-group restarts",
     ])
 
 

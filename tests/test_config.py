@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from app.config import ConfigError, RunConfig, load, to_yaml
+from app.config import AppConfig, ConfigError, RewardConfig, RolloutConfig, RunConfig, load, load_app, to_yaml
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -117,3 +117,62 @@ def test_enumerated_choices_are_the_library_s_own():
     assert tuple(SdeType) == SDE_TYPES
     cfg = load(CONFIGS / "tiny_cpu.yaml", ["rollout.sde_type=cps", "rollout.engine=diffusers"])
     assert cfg.rollout.sde_type == "cps" and f"{cfg.rollout.engine}" == "diffusers"
+
+
+# -- the Serve application's config: serve_config.yaml's `args:` are a run config's sections plus `serve`
+
+def serve_config_args() -> dict:
+    import yaml
+
+    return yaml.safe_load((CONFIGS.parent / "serve_config.yaml").read_text())["applications"][0]["args"]
+
+
+def test_serve_config_yaml_uses_the_run_config_sections():
+    app = load_app(serve_config_args())
+    assert isinstance(app, AppConfig)
+    assert app.model.build_tiny and app.model.dtype == "float32" and app.rollout.num_replicas == 2
+    assert (app.rollout.width, app.rollout.num_inference_steps, app.serve.max_n) == (64, 4, 16)
+    assert app.model.tiny_seed == 0 and app.rollout.max_num_seqs == 1  # schema defaults, settable there too
+    assert app.reward.ocr_detect_min_side == RewardConfig().ocr_detect_min_side
+
+
+def test_a_run_deploys_its_own_sections():
+    run = load(CONFIGS / "tiny_cpu.yaml", ["model.tiny_seed=3", "rollout.max_num_seqs=2"])
+    app = run.app()
+    assert (app.model, app.rollout, app.reward, app.serve) == (run.model, run.rollout, run.reward, run.serve)
+    assert app.model.tiny_seed == 3 and app.rollout.max_num_seqs == 2
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"rollout": {"num_replicas": "two"}}, "rollout.num_replicas"),
+    ({"rollout": {"engine": "vllm"}}, "rollout.engine"),
+    ({"serve": {"max_sides": 512}}, "serve.max_sides"),
+    ({"model_path": "x"}, "model_path"),  # the old flat keys are refused, by name
+    ({"serve": {"max_side": 32}}, "serve.max_side=32 is below rollout's 64x64"),
+    ({"serve": {"max_steps": 2}}, "raise serve.max_steps"),
+    ({"reward": {"max_batch_size": 0}}, "reward.max_batch_size=0"),
+    ({"serve": {"log_level": "LOUD"}}, "serve.log_level"),
+])
+def test_bad_app_args_name_the_key(change, match):
+    args = serve_config_args()
+    for section, values in change.items():
+        args[section] = {**args[section], **values} if isinstance(values, dict) and section in args else values
+    with pytest.raises(ConfigError, match=match):
+        load_app(args)
+
+
+def test_reward_weights_in_app_args_replace_the_default():
+    app = load_app({**serve_config_args(), "reward": {"weights": {"jpeg_compressibility": 1.0}}})
+    assert app.reward.weights == {"jpeg_compressibility": 1.0}
+
+
+def test_a_request_gets_the_rollout_section_s_sampling_unless_it_says_otherwise():
+    rollout = RolloutConfig(group_size=4, height=64, width=128, num_inference_steps=3, noise_level=0.5,
+                            sde_type="cps")
+    request = rollout.request("a sign", seed=1)
+    assert (request.n, request.height, request.width, request.num_inference_steps) == (4, 64, 128, 3)
+    assert (request.noise_level, request.sde_type, request.seed, request.negative_prompt) == (0.5, "cps", 1, None)
+    changed = rollout.request("a sign", n=1, num_inference_steps=2, guidance_scale=4.0)
+    assert (changed.n, changed.num_inference_steps, changed.negative_prompt) == (1, 2, rollout.negative_prompt)
+    with pytest.raises(ValueError, match="^height="):
+        rollout.request("a sign", height=100)

@@ -6,6 +6,8 @@ import torch
 from app.rollout.seeding import sample_generators, sample_seed
 from app.types import GenerationRequest, LoraAdapter, Trajectory
 
+SAMPLING = dict(n=2, height=64, width=64, num_inference_steps=4, noise_level=0.7, sde_type="sde")
+
 
 @pytest.mark.parametrize("field,value", [
     ("n", 0), ("n", -2), ("n", 10_000), ("n", 2.5),
@@ -17,15 +19,15 @@ from app.types import GenerationRequest, LoraAdapter, Trajectory
     ("guidance_scale", 0.5), ("seed", -1), ("sample_offset", -1),
 ])
 def test_invalid_request_names_the_field(field, value):
-    kwargs = dict(prompt="a red cube", n=2, height=64, width=64, num_inference_steps=4) | {field: value}
+    kwargs = dict(prompt="a red cube", **SAMPLING) | {field: value}
     with pytest.raises(ValueError, match=f"^{field}="):
         GenerationRequest(**kwargs)
 
 
 def test_cfg_needs_a_negative_prompt():
     with pytest.raises(ValueError, match="negative_prompt"):
-        GenerationRequest("a cat", guidance_scale=4.0)
-    assert GenerationRequest("a cat", guidance_scale=4.0, negative_prompt=" ").do_cfg
+        GenerationRequest("a cat", guidance_scale=4.0, **SAMPLING)
+    assert GenerationRequest("a cat", guidance_scale=4.0, negative_prompt=" ", **SAMPLING).do_cfg
 
 
 def test_sample_seeds_are_deterministic_and_distinct():

@@ -126,6 +126,52 @@ class RolloutClient:
     async def publish(self, adapter: LoraAdapter | None) -> Publication:
         return await publish_lora(self.rollout, self.adapters, adapter)
 
+    async def collect_on_policy(self, requests: Sequence[GenerationRequest],
+                                adapter: LoraAdapter | None) -> tuple[list[ScoredGroup], int]:
+        """All groups, in request order, every one sampled with `adapter` (the one last published; None: the base
+        model), and how many had to be generated again. Each request names that version, and a replica serving
+        another loads it from the adapter store first; should a group still come from another version (the store
+        itself was restarted), it is regenerated after publishing again."""
+        expected = adapter.version if adapter is not None else 0
+        if any(r.lora_version != expected for r in requests):
+            raise ValueError(f"requests must ask for adapter version {expected}, the one given")
+        groups = await self.collect(requests)
+        stale = [k for k, s in enumerate(groups) if s.trajectory.lora_version != expected]
+        if stale:
+            await self.publish(adapter)  # a no-op on replicas already serving it
+            again = await self.collect([requests[k] for k in stale])
+            for k, s in zip(stale, again, strict=True):
+                if s.trajectory.lora_version != expected:
+                    raise RuntimeError(f"{_describe(requests[k])} came from adapter version "
+                                       f"{s.trajectory.lora_version} after publishing version {expected} again")
+                groups[k] = s
+        return groups, len(stale)
+
+
+class BlockingRolloutClient:
+    """A `RolloutClient` for synchronous code (a Ray Train worker's loop): each call runs to completion on the one
+    event loop this object owns (Serve's handles stay bound to it). Use it as a context manager, or `close()`."""
+
+    def __init__(self, client: RolloutClient):
+        self.client = client
+        self._runner = asyncio.Runner()
+
+    def collect_on_policy(self, requests: Sequence[GenerationRequest],
+                          adapter: LoraAdapter | None) -> tuple[list[ScoredGroup], int]:
+        return self._runner.run(self.client.collect_on_policy(requests, adapter))
+
+    def publish(self, adapter: LoraAdapter | None) -> Publication:
+        return self._runner.run(self.client.publish(adapter))
+
+    def close(self) -> None:
+        self._runner.close()
+
+    def __enter__(self) -> BlockingRolloutClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 async def publish_lora(rollout, adapters, adapter: LoraAdapter | None) -> Publication:
     """Make `adapter` the one every rollout replica serves (None: the base model, version 0).

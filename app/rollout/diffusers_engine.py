@@ -74,8 +74,8 @@ class DiffusersEngine:
         timesteps, sigmas = qwen_image.schedule(pipe.scheduler, request.num_inference_steps, x.shape[1])
         shapes = qwen_image.img_shapes(n, request.height, request.width)
 
-        def batch(e, m):  # the group shares one prompt: [S, D] -> [n, S, D] views
-            return e.unsqueeze(0).expand(n, -1, -1), m.unsqueeze(0).expand(n, -1)
+        def batch(embeds, mask):  # the group shares one prompt: [S, D] -> [n, S, D] views
+            return embeds.unsqueeze(0).expand(n, -1, -1), mask.unsqueeze(0).expand(n, -1)
 
         pos_e, pos_m = batch(embeds, mask)
         neg_e, neg_m = batch(neg_embeds, neg_mask) if request.do_cfg else (None, None)

@@ -16,7 +16,6 @@ same number of timesteps and micro-batches. `ray.train` appears in this module o
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -33,12 +32,12 @@ from app.algo.loss import flow_grpo_loss, transition_kl
 from app.algo.timesteps import trained_steps
 from app.config import RunConfig
 from app.console import quiet_this_process
-from app.metrics import PhaseTimer, Progress, Stats, reduce_over_workers, reward_metrics
-from app.rollout.client import RolloutClient, ScoredGroup
+from app.metrics import PhaseTimer, Stats, reduce_over_workers, reward_metrics
+from app.rollout.client import BlockingRolloutClient, RolloutClient, ScoredGroup
 from app.train import checkpoint
 from app.train.policy import Policy
-from app.train.prompts import group_seed, load_prompts, step_prompts
-from app.types import GenerationRequest, LoraAdapter
+from app.train.prompts import group_request, load_prompts, step_prompts
+from app.types import LoraAdapter
 
 
 @dataclass
@@ -50,24 +49,21 @@ class Worker:
     world: int
     policy: Policy
     optimizer: torch.optim.Optimizer
-    client: RolloutClient
-    runner: asyncio.Runner
+    rollout: BlockingRolloutClient
     prompts: list[str]
     state: checkpoint.TrainerState
     adapter: LoraAdapter | None = None  # what the replicas serve (None: the base model)
     log: run_metrics.RunLog | run_metrics.NullRunLog = field(default_factory=run_metrics.NullRunLog)  # rank 0 logs
-    ray_metrics: run_metrics.RayMetrics | None = None
-    progress: Progress | None = None
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point. loop_config: {"config": RunConfig, "run_dir": absolute path of the run folder,
     "rollout", "reward", "adapters": DeploymentHandles of the application serving the rollouts and rewards}."""
-    with asyncio.Runner() as runner:
-        config = loop_config["config"]
-        client = RolloutClient(loop_config["rollout"], loop_config["reward"], loop_config["adapters"],
-                               retries=config.rollout.request_retries)
-        worker = _setup(config, Path(loop_config["run_dir"]), client, runner)
+    config = loop_config["config"]
+    client = RolloutClient(loop_config["rollout"], loop_config["reward"], loop_config["adapters"],
+                           retries=config.rollout.request_retries)
+    with BlockingRolloutClient(client) as rollout:
+        worker = _setup(config, Path(loop_config["run_dir"]), rollout)
         cfg = worker.config.train
         try:
             for step in range(worker.state.step, cfg.num_steps):
@@ -84,11 +80,12 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
     # 1. prompts: groups step*G .. step*G+G-1, dealt round-robin to the workers
     mine = step_prompts(worker.prompts, step, train.groups_per_step, seed=train.seed,
                         shuffle=cfg.data.shuffle)[worker.rank::worker.world]
-    requests = [rollout_request(cfg, prompt, g, lora_version=worker.state.adapter_version) for g, prompt in mine]
+    requests = [group_request(cfg.rollout, prompt, g, seed=train.seed, lora_version=worker.state.adapter_version)
+                for g, prompt in mine]
 
     # 2. rollouts, rewards streamed in as groups finish, all from the adapter the replicas were given last
     with timer("rollout"):
-        groups, regenerated = _collect_on_policy(worker, requests)
+        groups, regenerated = worker.rollout.collect_on_policy(requests, worker.adapter)
     staleness = max(worker.state.adapter_version - s.trajectory.lora_version for s in groups)  # 0: all on-policy
 
     # 3. advantages per prompt group, normalised over the whole step's batch (every worker's rewards)
@@ -112,7 +109,7 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
     # 6. publish: the replicas serve the new adapter before any worker asks for the next step's rollouts
     with timer("publish"):
         worker.adapter = worker.policy.export_adapter(version=step + 1)  # gathers the LoRA only (a collective)
-        lost_replicas = worker.runner.run(worker.client.publish(worker.adapter)).lost if worker.rank == 0 else 0
+        lost_replicas = worker.rollout.publish(worker.adapter).lost if worker.rank == 0 else 0
         dist.barrier()
     worker.state = checkpoint.TrainerState(step=step + 1, adapter_version=worker.adapter.version,
                                            data_position=(step + 1) * train.groups_per_step, seed=train.seed)
@@ -127,20 +124,11 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
            "actor/grad_norm": grad_norm, "actor/lr": worker.optimizer.param_groups[0]["lr"],
            "rollout/adapter_version": float(worker.adapter.version),
            "rollout/images": float(sum(len(r.total) for r in rewards.values())), **timer.metrics()}
-    if worker.rank == 0 and _log_images_now(cfg, step):
+    if _log_images_now(cfg, step):  # rank 0's log draws them
         images = np.concatenate([s.trajectory.images.numpy() for s in groups])
         worker.log.log_images(step + 1, images, [s.trajectory.prompt for s in groups],
                               [{"total": s.rewards.total, **s.rewards.components} for s in groups])
     return out
-
-
-def rollout_request(cfg: RunConfig, prompt: str, group: int, lora_version: int | None = None) -> GenerationRequest:
-    r = cfg.rollout
-    return GenerationRequest(
-        prompt=prompt, n=r.group_size, height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
-        guidance_scale=r.guidance_scale, negative_prompt=r.negative_prompt if r.guidance_scale > 1 else None,
-        noise_level=r.noise_level, sde_type=r.sde_type, seed=group_seed(cfg.train.seed, group),
-        group_id=group, lora_version=lora_version)
 
 
 def _train_pass(worker: Worker, step: int, epoch: int, groups: list[ScoredGroup], advantages: list[torch.Tensor],
@@ -199,24 +187,6 @@ def _recompute_log_probs(worker: Worker, groups: list[ScoredGroup], mismatch: St
     return out
 
 
-def _collect_on_policy(worker: Worker, requests: list[GenerationRequest]) -> tuple[list[ScoredGroup], int]:
-    """The scored groups, every one sampled with the adapter the replicas were last given. Each request names that
-    version and a replica serving another loads it from the adapter store first; should a group still come from
-    another version (the store itself was restarted), it is regenerated after re-publishing."""
-    expected = worker.state.adapter_version  # what the requests ask for
-    groups = worker.runner.run(worker.client.collect(requests))
-    stale = [k for k, s in enumerate(groups) if s.trajectory.lora_version != expected]
-    if stale:
-        worker.runner.run(worker.client.publish(worker.adapter))  # a no-op on replicas already serving it
-        again = worker.runner.run(worker.client.collect([requests[k] for k in stale]))
-        for k, s in zip(stale, again, strict=True):
-            if s.trajectory.lora_version != expected:
-                raise RuntimeError(f"group {requests[k].group_id} came from adapter version "
-                                   f"{s.trajectory.lora_version} after re-publishing version {expected}")
-            groups[k] = s
-    return groups, len(stale)
-
-
 def _gather_rewards(groups: list[ScoredGroup]) -> dict:
     """{global group index: RewardScores} of every worker's groups."""
     mine = {s.trajectory.group_id: s.rewards for s in groups}
@@ -238,11 +208,7 @@ def _checkpoint_now(cfg: RunConfig, step: int) -> bool:
 def _report(worker: Worker, step: int, metrics: dict[str, float]) -> None:
     """Log (rank 0) and report the step to Ray Train, with a checkpoint when one is due (every rank writes its
     part into a folder of the same name; Ray Train merges them into `<run_dir>/checkpoints/`)."""
-    if worker.rank == 0:
-        worker.log.log(step + 1, metrics)
-        worker.ray_metrics.record(images=int(metrics["rollout/images"]), reward_mean=metrics["reward/mean"],
-                                  adapter_version=worker.adapter.version, step_seconds=metrics["timing/step_s"])
-        worker.progress.step_done(step, metrics)
+    worker.log.step_done(step, metrics)
     if not _checkpoint_now(worker.config, step):
         ray.train.report(metrics)
         return
@@ -253,7 +219,7 @@ def _report(worker: Worker, step: int, metrics: dict[str, float]) -> None:
                          checkpoint_dir_name=f"checkpoint_step_{step + 1:06d}")
 
 
-def _setup(config: RunConfig, run_dir: Path, client: RolloutClient, runner: asyncio.Runner) -> Worker:
+def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> Worker:
     quiet_this_process(config.logging.verbose)  # e.g. Serve's INFO line when this worker's handles connect
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -280,18 +246,16 @@ def _setup(config: RunConfig, run_dir: Path, client: RolloutClient, runner: asyn
         state = restored.state
         adapter = policy.export_adapter(version=state.adapter_version) if state.adapter_version > 0 else None
     worker = Worker(config=config, rank=rank, world=world, policy=policy, optimizer=optimizer,
-                    client=client, runner=runner, prompts=load_prompts(config.data.prompts),
+                    rollout=rollout, prompts=load_prompts(config.data.prompts),
                     state=state, adapter=adapter)
     if rank == 0:
         # the replicas serve exactly this run's policy: the base model, or the resumed adapter (reset first: a
         # replica may serve an adapter of the same version number from an earlier run, or from before a restart)
-        runner.run(worker.client.publish(None))
+        rollout.publish(None)
         if adapter is not None:
-            runner.run(worker.client.publish(adapter))
+            rollout.publish(adapter)
         if restored is not None:
             print(f"[flowgrpo] continuing from the checkpoint of step {state.step}", file=sys.__stdout__, flush=True)
-        worker.log = run_metrics.RunLog(run_dir)
-        worker.ray_metrics = run_metrics.RayMetrics(run_dir.name)
-        worker.progress = Progress(first=state.step, total=train.num_steps)
+        worker.log = run_metrics.RunLog(run_dir, first_step=state.step, total_steps=train.num_steps)
     dist.barrier()
     return worker

@@ -8,10 +8,15 @@ uninterrupted run would have seen.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from app.rollout.seeding import derived_seed
+
+if TYPE_CHECKING:
+    from app.config import RolloutConfig
+    from app.types import GenerationRequest
 
 # OCR-style prompts (target text in double quotes) for the tiny CPU runs and tests
 BUILTIN = {
@@ -61,3 +66,10 @@ def step_prompts(prompts: list[str], step: int, groups_per_step: int, *, seed: i
 def group_seed(seed: int, group: int) -> int:
     """The rollout seed of global group `group` (63-bit, SeedSequence-mixed, distinct per group)."""
     return derived_seed(seed, group, 0x5EED)
+
+
+def group_request(rollout: RolloutConfig, prompt: str, group: int, *, seed: int,
+                  lora_version: int | None = None) -> GenerationRequest:
+    """The request for global group `group` of a run seeded `seed`: sampled as the rollout section says, seeded
+    per group, and asking for adapter `lora_version`."""
+    return rollout.request(prompt, seed=group_seed(seed, group), group_id=group, lora_version=lora_version)

@@ -16,7 +16,11 @@ import requests
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from app.types import GenerationRequest
+from app.config import RolloutConfig
+
+# the served app's rollout section (what a request that leaves a setting out gets), and requests sampled as it says
+SAMPLING = {"group_size": 2, "height": 64, "width": 64, "num_inference_steps": 2}
+TINY = RolloutConfig(**SAMPLING)
 
 pytestmark = pytest.mark.slow  # a Ray cluster and Serve
 
@@ -34,16 +38,16 @@ def free_port() -> int:
 def served(ray_cluster, tiny_model_dir):
     from ray import serve
 
-    from deployments.builders import FlowGRPOAppArgs, build_app
+    from deployments.builders import build_app
     from deployments.client import handles
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = FlowGRPOAppArgs(
-        model_path=str(tiny_model_dir), rollout_replicas=2, rollout_num_cpus=0.5, reward_num_cpus=0.5,
-        reward_weights={"ocr": 1.0}, api_num_cpus=0.25, rollout_max_ongoing_requests=4,
-        defaults={"size": "64x64", "num_inference_steps": 2},
-        limits={"max_n": 4, "max_side": 128, "max_steps": 4, "max_reward_images": 4})
+    # serve_config.yaml's `args:` form: a run config's sections plus `serve`
+    args = {"model": {"path": str(tiny_model_dir), "dtype": "float32"},
+            "rollout": {**SAMPLING, "num_replicas": 2, "replica_num_cpus": 0.5, "max_ongoing_requests": 4},
+            "reward": {"weights": {"ocr": 1.0}, "replica_num_cpus": 0.5},
+            "serve": {"max_n": 4, "max_side": 128, "max_steps": 4, "max_reward_images": 4, "api_num_cpus": 0.25}}
     serve.run(build_app(args), name=APP, route_prefix="/")
     rollout, reward, adapters = handles(APP)
     yield {"url": f"http://127.0.0.1:{port}", "rollout": rollout, "reward": reward, "adapters": adapters}
@@ -89,8 +93,7 @@ def test_groups_are_spread_over_both_replicas(served):
     rollout = served["rollout"]
 
     async def eight():
-        requests_ = [GenerationRequest(f"prompt {i}", n=2, height=64, width=64, num_inference_steps=2, seed=i)
-                     for i in range(8)]
+        requests_ = [TINY.request(f"prompt {i}", seed=i) for i in range(8)]
         return await asyncio.gather(*[rollout.generate.remote(r) for r in requests_])
 
     trajs = asyncio.run(eight())
@@ -105,7 +108,7 @@ def test_publication_reaches_every_replica_and_changes_generations(served, tiny_
     from app.rollout.client import publish_lora
 
     rollout = served["rollout"]
-    request = GenerationRequest("a red cube", n=2, height=64, width=64, num_inference_steps=2, seed=11)
+    request = TINY.request("a red cube", n=2, seed=11)
     transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
     adapter = random_lora(transformer, version=1, rank=4, target_modules=["to_q", "to_v", "to_out.0"], seed=1,
                           scale=0.5)
@@ -142,10 +145,8 @@ def test_a_request_for_a_version_nobody_has_is_refused_and_the_replica_keeps_ser
     rollout = served["rollout"]
     published = served["adapters"].current.remote().result()[0]
     with pytest.raises(AdapterUnavailable, match=f"asks for adapter version 99.*serves {published}"):
-        rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_inference_steps=2, seed=1,
-                                                  lora_version=99)).result()
-    ok = rollout.generate.remote(GenerationRequest("a", n=1, height=64, width=64, num_inference_steps=2, seed=1,
-                                                   lora_version=published)).result()
+        rollout.generate.remote(TINY.request("a", n=1, seed=1, lora_version=99)).result()
+    ok = rollout.generate.remote(TINY.request("a", n=1, seed=1, lora_version=published)).result()
     assert ok.lora_version == published
 
 
@@ -209,7 +210,7 @@ def test_a_reward_deployment_that_fails_is_retried_then_the_group_is_named(serve
         client = RolloutClient(served["rollout"], broken, served["adapters"], retries=1, retry_delay_s=0)
         for prompt, why in [("reward raises", "RuntimeError.*the OCR model crashed"),
                             ("reward is short", r"\{'total': 1\} scores for 2 images")]:
-            request = GenerationRequest(prompt, n=2, height=64, width=64, num_inference_steps=2, seed=5, group_id=5)
+            request = TINY.request(prompt, n=2, seed=5, group_id=5)
             with pytest.raises(GroupFailed, match=f"group 5 \\('{prompt}'\\): reward failed 2 times.*{why}"):
                 asyncio.run(client.collect([request]))
         assert broken.count.remote().result() == 4

@@ -8,7 +8,8 @@ from app.types import GenerationRequest
 
 
 def test_adapters_switch_and_unload(diffusers_engine, aio, tiny_model_dir):
-    request = GenerationRequest("a red cube", n=2, height=64, width=64, num_inference_steps=2, seed=1)
+    request = GenerationRequest("a red cube", n=2, height=64, width=64, num_inference_steps=2, noise_level=0.7,
+                                sde_type="sde", seed=1)
     base = aio(diffusers_engine.generate(request))
     transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
     first = random_lora(transformer, version=1, rank=4, target_modules=["to_q"], seed=0, scale=0.5)

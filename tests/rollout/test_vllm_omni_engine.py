@@ -17,7 +17,8 @@ PARITY_TOL = 1e-5
 
 
 def request(**changes) -> GenerationRequest:
-    fields = dict(prompt="a red cube", n=3, height=64, width=64, num_inference_steps=4, seed=7)
+    fields = dict(prompt="a red cube", n=3, height=64, width=64, num_inference_steps=4, noise_level=0.7, sde_type="sde",
+                  seed=7)
     return GenerationRequest(**(fields | changes))
 
 

@@ -12,8 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.rewards import RewardScores
-from app.rollout.client import GroupFailed, RolloutClient
-from app.train import loop
+from app.rollout.client import BlockingRolloutClient, GroupFailed, RolloutClient
 
 
 class _Method:
@@ -123,11 +122,8 @@ class RecordingClient(RolloutClient):
         self.published.append(adapter.version)
 
 
-def _worker(rollout, adapter_version):
-    runner = asyncio.Runner()
-    adapter = SimpleNamespace(version=adapter_version)
-    return SimpleNamespace(adapter=adapter, state=SimpleNamespace(adapter_version=adapter_version), runner=runner,
-                           client=RecordingClient(rollout, StubReward(), retries=0, retry_delay_s=0)), runner
+def versioned(k, version):
+    return [SimpleNamespace(group_id=i, prompt=f"prompt {i}", lora_version=version) for i in range(k)]
 
 
 def test_a_group_from_another_adapter_is_regenerated_after_republishing():
@@ -139,16 +135,22 @@ def test_a_group_from_another_adapter_is_regenerated_after_republishing():
         return trajectory(request, version=version)
 
     rollout = StubRollout(restarted_replica)
-    w, runner = _worker(rollout, adapter_version=5)
-    with runner:
-        groups, regenerated = loop._collect_on_policy(w, requests(3))
-    assert regenerated == 1 and w.client.published == [5] and rollout.generate.calls == 4
+    client = RecordingClient(rollout, StubReward(), retries=0, retry_delay_s=0)
+    with BlockingRolloutClient(client) as blocking:  # the trainer's synchronous way in
+        groups, regenerated = blocking.collect_on_policy(versioned(3, 5), SimpleNamespace(version=5))
+    assert regenerated == 1 and client.published == [5] and rollout.generate.calls == 4
     assert [g.trajectory.lora_version for g in groups] == [5, 5, 5]
     assert [g.trajectory.group_id for g in groups] == [0, 1, 2]
 
 
 def test_a_group_still_off_policy_after_republishing_stops_the_step():
-    rollout = StubRollout(lambda request: trajectory(request, version=3))
-    w, runner = _worker(rollout, adapter_version=5)
-    with runner, pytest.raises(RuntimeError, match="adapter version 3 after re-publishing version 5"):
-        loop._collect_on_policy(w, requests(2))
+    client = RecordingClient(StubRollout(lambda request: trajectory(request, version=3)), StubReward(), retries=0,
+                             retry_delay_s=0)
+    with pytest.raises(RuntimeError, match="group 0 .*adapter version 3 after publishing version 5 again"):
+        asyncio.run(client.collect_on_policy(versioned(2, 5), SimpleNamespace(version=5)))
+
+
+def test_requests_must_ask_for_the_adapter_given():
+    client = RecordingClient(StubRollout(trajectory), StubReward(), retries=0, retry_delay_s=0)
+    with pytest.raises(ValueError, match="adapter version 0"):
+        asyncio.run(client.collect_on_policy(versioned(2, 5), None))

@@ -31,7 +31,8 @@ def rollout(vllm_engine, aio, adapter):
     aio(vllm_engine.load_lora(served))
     try:
         return aio(vllm_engine.generate(GenerationRequest('a sign that says "RL"', n=4, height=64, width=64,
-                                                          num_inference_steps=3, seed=5)))
+                                                          num_inference_steps=3, noise_level=0.7, sde_type="sde",
+                                                          seed=5)))
     finally:
         aio(vllm_engine.load_lora(None))
 

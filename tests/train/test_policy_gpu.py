@@ -28,7 +28,7 @@ def test_bf16_fsdp2_policy_on_cuda_scores_the_rollout_and_trains(nccl_group, tin
     engine = DiffusersEngine(tiny_model_dir, dtype="bfloat16", device="cuda")
     aio(engine.start())
     traj = aio(engine.generate(GenerationRequest('a sign that says "GPU"', n=4, height=64, width=64,
-                                                 num_inference_steps=4, seed=3)))
+                                                 num_inference_steps=4, noise_level=0.7, sde_type="sde", seed=3)))
     policy = Policy.from_pretrained(tiny_model_dir, lora_rank=4, lora_alpha=4,
                                     target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_out"],
                                     dtype=torch.bfloat16, device="cuda")

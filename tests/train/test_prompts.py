@@ -2,7 +2,8 @@
 
 import pytest
 
-from app.train.prompts import BUILTIN, group_seed, load_prompts, step_prompts
+from app.config import RolloutConfig
+from app.train.prompts import BUILTIN, group_request, group_seed, load_prompts, step_prompts
 
 PROMPTS = [f"prompt {i}" for i in range(5)]
 
@@ -38,3 +39,14 @@ def test_prompt_file_and_builtin_sets(tmp_path):
     (tmp_path / "empty.txt").write_text("# nothing\n")
     with pytest.raises(ValueError, match="holds no prompts"):
         load_prompts(str(tmp_path / "empty.txt"))
+
+
+def test_a_group_s_request_follows_the_rollout_section_and_is_seeded_per_group():
+    rollout = RolloutConfig(group_size=4, height=64, width=64, num_inference_steps=3)
+    a, b = group_request(rollout, 'a sign "A"', 0, seed=7), group_request(rollout, 'a sign "A"', 1, seed=7)
+    assert (a.n, a.height, a.num_inference_steps, a.noise_level) == (4, 64, 3, rollout.noise_level)
+    assert a.seed == group_seed(7, 0) != b.seed and (a.group_id, b.group_id) == (0, 1) and a.negative_prompt is None
+    assert group_request(rollout, 'a sign "A"', 0, seed=8).seed != a.seed
+    with_cfg = RolloutConfig(group_size=4, height=64, width=64, guidance_scale=4.0)
+    assert group_request(with_cfg, "x", 0, seed=7, lora_version=3).negative_prompt == with_cfg.negative_prompt
+    assert group_request(with_cfg, "x", 0, seed=7, lora_version=3).lora_version == 3
