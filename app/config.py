@@ -187,6 +187,9 @@ class TrainConfig:
     adv_clip_max: float = 5.0
     # fraction of the T denoising steps trained per sample (FlowGRPO timestep_fraction)
     timestep_fraction: float = 1.0
+    # recompute each transformer block's activations in the backward pass: far less memory for ~1/3 more compute
+    # (real sizes need it; the tiny model does not)
+    gradient_checkpointing: bool = False
     # optimizer steps per batch of rollouts (one per pass; passes after the first are off-policy and clipped)
     num_inner_epochs: int = 1
     # samples of one prompt group per forward/backward on one worker (divides rollout.group_size)
@@ -229,6 +232,8 @@ class ClusterConfig:
     num_workers: int = 1
     use_gpu: bool = False
     worker_num_cpus: float = 1.0
+    # GPUs of each worker (with use_gpu); a fraction shares a GPU with a rollout replica (one-GPU machines)
+    worker_num_gpus: float = 1.0
     # Serve's HTTP port on this cluster (the rollout/reward API stays reachable while training)
     serve_port: int = 8000
 
@@ -321,6 +326,8 @@ def _check_run(config: RunConfig) -> None:
     _require(train.clip_range > 0, f"train.clip_range={train.clip_range} must be > 0")
     _require(train.kl_beta >= 0, f"train.kl_beta={train.kl_beta} must be >= 0")
     _require(cluster.num_workers >= 1, f"cluster.num_workers={cluster.num_workers} must be >= 1")
+    _require(0 < cluster.worker_num_gpus <= 1 or float(cluster.worker_num_gpus).is_integer(),
+             f"cluster.worker_num_gpus={cluster.worker_num_gpus} must be a fraction in (0, 1] or a whole number")
     _require(train.groups_per_step % cluster.num_workers == 0,
              f"train.groups_per_step={train.groups_per_step} must be divisible by "
              f"cluster.num_workers={cluster.num_workers} "

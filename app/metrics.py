@@ -215,8 +215,23 @@ class PhaseTimer:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - began
 
     def metrics(self) -> dict[str, float]:
-        return {**{f"timing/{k}_s": v for k, v in self.seconds.items()},
-                "timing/step_s": time.perf_counter() - self.started}
+        """Each phase's seconds, the whole step's, and `other`: the step outside every phase."""
+        step = time.perf_counter() - self.started
+        return {**{f"timing/{k}_s": v for k, v in self.seconds.items()}, "timing/step_s": step,
+                "timing/other_s": max(0.0, step - sum(self.seconds.values()))}
+
+
+def throughput(metrics: dict[str, float], *, useful_tflop: float, gpus: float) -> dict[str, float]:
+    """Images per second, useful TFLOP (app/flops.py) and, on GPUs, the whole-step model FLOPs utilisation and
+    images per second per GPU, from a step's `rollout/images` and `timing/step_s`."""
+    from app.flops import mfu
+
+    seconds = metrics["timing/step_s"]
+    out = {"perf/images_per_s": metrics["rollout/images"] / seconds, "perf/useful_tflop": useful_tflop}
+    if gpus > 0:
+        out["perf/images_per_s_per_gpu"] = out["perf/images_per_s"] / gpus
+        out["perf/mfu"] = mfu(useful_tflop * 1e12, seconds, gpus)
+    return out
 
 
 def reward_metrics(rewards: dict) -> dict[str, float]:

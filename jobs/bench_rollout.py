@@ -1,7 +1,9 @@
-"""Rollout throughput of the vllm-omni engine: batched prompt groups vs per-sample requests, and what recording
-trajectories costs compared with vllm-omni's stock sampling.
+"""Rollout throughput of the engine `rollout.engine` names (vllm-omni, or diffusers on the GPU machine): batched
+prompt groups vs per-sample requests, and what recording trajectories costs compared with the library's stock
+sampling.
 
     python -m jobs.bench_rollout --config configs/tiny_cpu.yaml [--groups 8] [key=value ...]
+    python -m jobs.bench_rollout --config configs/qwen_image_ocr_2gpu.yaml --groups 2 model.path=...
 
 Prints one JSON line: images/s of the batched mode (one request of n images per group) and of the per-sample
 mode (n requests of one image) at the same n, their ratio, and the overhead of the FlowGRPO pipeline (SDE step,
@@ -16,11 +18,13 @@ import sys
 import time
 
 import torch
+from diffusers import QwenImageTransformer2DModel
 from tqdm import tqdm
 
 from app.config import load
+from app.flops import MMDiT, forward_flops, mfu, step_flops
 from app.models.tiny import build_tiny_qwen_image
-from app.rollout.vllm_omni.engine import VllmOmniEngine
+from deployments.rollout import make_engine
 from jobs.report import emit_json_line
 
 PROMPTS = ['a sign that says "OPEN"', "a red cube on a blue table", "a photo of a cat", 'text reading "HELLO"']
@@ -39,12 +43,12 @@ async def _timed(label: str, run, requests, repeats: int) -> float:
 async def bench(config, groups: int, repeats: int) -> dict:
     if config.model.build_tiny:
         build_tiny_qwen_image(config.model.path, seed=config.model.tiny_seed)
-    engine = VllmOmniEngine(config.model.path, dtype=config.model.dtype, max_num_seqs=config.rollout.max_num_seqs)
+    engine = make_engine(config.model, config.rollout)
     await engine.start()
     requests = [config.rollout.request(PROMPTS[i % len(PROMPTS)], seed=i) for i in range(groups)]
     ro = config.rollout
     images = groups * ro.group_size
-    await engine.generate(requests[0])  # warm-up: first-call allocations
+    first = await engine.generate(requests[0])  # warm-up: first-call allocations
     await engine.generate_plain(requests[0])
     batched = await _timed("batched", engine.generate, requests, repeats)
     plain = await _timed("plain", engine.generate_plain, requests, repeats)
@@ -52,15 +56,23 @@ async def bench(config, groups: int, repeats: int) -> dict:
     await engine.generate(requests[0])
     per_sample = await _timed("per-sample", engine.generate, requests, repeats)
     await engine.close()
+    # useful FLOPs of the batched mode: every denoising step's forward, both CFG branches
+    model = MMDiT.from_config(QwenImageTransformer2DModel.load_config(f"{config.model.path}/transformer"))
+    forward = forward_flops(model, first.latents.shape[2], int(first.prompt_mask.sum()))
+    flops = step_flops(forward, images=images, num_inference_steps=ro.num_inference_steps, trained_steps=0,
+                       cfg=ro.guidance_scale > 1, kl=False)["rollout"]
     return {
         "bench": "rollout", "engine": engine.kind, "device": "cuda" if torch.cuda.is_available() else "cpu",
         "torch_threads": torch.get_num_threads(), "group_size": ro.group_size, "groups": groups,
-        "size": f"{ro.width}x{ro.height}", "steps": ro.num_inference_steps,
+        "size": f"{ro.width}x{ro.height}", "steps": ro.num_inference_steps, "cfg": ro.guidance_scale,
+        "dtype": str(config.model.dtype),
         "batched_images_per_s": round(images / batched, 2),
         "per_sample_images_per_s": round(images / per_sample, 2),
         "batched_over_per_sample": round(per_sample / batched, 2),
         "plain_images_per_s": round(images / plain, 2),
         "trajectory_overhead_pct": round(100 * (batched - plain) / plain, 1),
+        "batched_tflops": round(flops / batched / 1e12, 1),
+        "batched_mfu": round(mfu(flops, batched, 1), 4) if torch.cuda.is_available() else None,
     }
 
 

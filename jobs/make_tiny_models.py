@@ -1,27 +1,42 @@
-"""Build the deterministic tiny random checkpoints used by tests, the CPU demo and benchmarks.
+"""Build random checkpoints locally (nothing is downloaded): the tiny ones used by tests, the CPU demo and
+benchmarks, and real-size ones for GPU measurements.
 
     python -m jobs.make_tiny_models --out .cache/tiny-qwen-image [--seed 0] [--overwrite]
+    python -m jobs.make_tiny_models --preset qwen-image-full --out /data/qwen-image-random [--layers 60]
 
-Nothing is downloaded: the tokenizer is trained and the weights are initialised here (see app/models/tiny.py).
-An identical build already at --out is kept unless --overwrite is given.
+`tiny` (app/models/tiny.py): fp32, ~3.5 MB, CPU. `qwen-image-full` (app/models/full_random.py): Qwen-Image's
+transformer (60 blocks, 3072 wide, 20.4B parameters) and VAE, a 2-layer text encoder of the real width, bf16,
+built on the GPU (~42 GB on disk). An identical build already at --out is kept unless --overwrite is given.
 """
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
-from app.models.tiny import build_tiny_qwen_image
+PRESETS = ("tiny", "qwen-image-full")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="checkpoint folder to write (diffusers layout)")
+    parser.add_argument("--preset", choices=PRESETS, default="tiny")
     parser.add_argument("--seed", type=int, default=0, help="weight seed; same seed gives identical tensors")
+    parser.add_argument("--layers", type=int, default=60, help="qwen-image-full: transformer blocks (real: 60)")
     parser.add_argument("--overwrite", action="store_true", help="rebuild even if an identical build exists")
     args = parser.parse_args(argv)
-    out = build_tiny_qwen_image(args.out, seed=args.seed, overwrite=args.overwrite)
+    started = time.perf_counter()
+    if args.preset == "tiny":
+        from app.models.tiny import build_tiny_qwen_image
+
+        out = build_tiny_qwen_image(args.out, seed=args.seed, overwrite=args.overwrite)
+    else:
+        from app.models.full_random import build_full_random_qwen_image
+
+        out = build_full_random_qwen_image(args.out, seed=args.seed, num_layers=args.layers, overwrite=args.overwrite)
     size_mb = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file()) / 2**20
-    print(f"tiny qwen_image checkpoint (seed {args.seed}): {out} ({size_mb:.1f} MB)")
+    print(f"{args.preset} qwen_image checkpoint (seed {args.seed}): {out} ({size_mb:.1f} MB, "
+          f"{time.perf_counter() - started:.0f} s)")
     return 0
 
 

@@ -107,7 +107,7 @@ def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters):
     from app.train.loop import train_loop_per_worker
 
     cl = config.cluster
-    resources = {"CPU": cl.worker_num_cpus, **({"GPU": 1} if cl.use_gpu else {})}
+    resources = {"CPU": cl.worker_num_cpus, **({"GPU": cl.worker_num_gpus} if cl.use_gpu else {})}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": config, "run_dir": str(run_dir), "rollout": rollout, "reward": reward,

@@ -27,13 +27,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "jobs.train", "--config", "configs/tiny_cpu.yaml",
-            f"cluster.serve_port={free_port()}", *args]
+def job_command(*args: str, config: str = "configs/tiny_cpu.yaml") -> list[str]:
+    return [sys.executable, "-m", "jobs.train", "--config", config, f"cluster.serve_port={free_port()}", *args]
 
 
-def run_job(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(job_command(*args), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def run_job(*args: str, config: str = "configs/tiny_cpu.yaml", timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(job_command(*args, config=config), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def history(run_dir: Path) -> list[dict]:

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from app.metrics import PhaseTimer, Stats
+from app.metrics import PhaseTimer, Stats, throughput
 
 
 def test_stats_weighted_means_and_extremes():
@@ -20,6 +20,16 @@ def test_phase_timer_adds_up_a_phase_entered_twice():
         time.sleep(0.01)
     with timer("rollout"):
         time.sleep(0.01)
+    time.sleep(0.01)  # outside every phase
     out = timer.metrics()
-    assert set(out) == {"timing/rollout_s", "timing/step_s"}
-    assert 0.02 <= out["timing/rollout_s"] <= out["timing/step_s"]
+    assert set(out) == {"timing/rollout_s", "timing/step_s", "timing/other_s"}
+    assert 0.02 <= out["timing/rollout_s"] <= out["timing/step_s"] and out["timing/other_s"] >= 0.01
+    assert out["timing/rollout_s"] + out["timing/other_s"] == pytest.approx(out["timing/step_s"])
+
+
+def test_throughput_and_mfu_of_a_step():
+    step = {"rollout/images": 32.0, "timing/step_s": 4.0}
+    assert throughput(step, useful_tflop=989.0, gpus=2) == {
+        "perf/images_per_s": 8.0, "perf/useful_tflop": 989.0, "perf/images_per_s_per_gpu": 4.0,
+        "perf/mfu": pytest.approx(989e12 / (2 * 989e12 * 4.0))}
+    assert set(throughput(step, useful_tflop=1.0, gpus=0)) == {"perf/images_per_s", "perf/useful_tflop"}

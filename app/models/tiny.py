@@ -30,7 +30,7 @@ QWEN_IMAGE_TEMPLATE_START_IDX = 34  # tokens of the system prefix dropped by the
 # Qwen2's pre-tokenizer split pattern (what Qwen2Tokenizer builds from vocab + merges)
 _QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
                 r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
-_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                    "<|image_pad|>", "<|video_pad|>"]
 _CORPUS = [
     QWEN_IMAGE_TEMPLATE.format(p) for p in (
@@ -48,7 +48,7 @@ HEAD_DIM = 16  # == sum(axes_dims_rope); text heads: TEXT_HIDDEN / 2 → mrope s
 Z_DIM = 16  # vllm-omni's Qwen-Image expects 16 latent channels; packed 2x2 → in_channels 64
 
 
-def _train_tokenizer(vocab_size: int = 1024):
+def train_tokenizer(vocab_size: int = 1024):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
 
@@ -58,7 +58,7 @@ def _train_tokenizer(vocab_size: int = 1024):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(_CORPUS, trainer)
     model = json.loads(bpe.to_str())["model"]
@@ -66,7 +66,7 @@ def _train_tokenizer(vocab_size: int = 1024):
     tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, bos_token=None,
                                eos_token="<|im_end|>",
                                pad_token="<|endoftext|>", errors="replace")
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[1:]})
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
     return tokenizer
 
 
@@ -81,12 +81,12 @@ def tiny_qwen_image_components(seed: int = 0) -> dict:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    tokenizer = _train_tokenizer()
+    tokenizer = train_tokenizer()
     prefix_len = template_prefix_tokens(tokenizer)
     if prefix_len != QWEN_IMAGE_TEMPLATE_START_IDX:
         raise RuntimeError(f"tiny tokenizer splits the template prefix into {prefix_len} tokens, "
                            f"not {QWEN_IMAGE_TEMPLATE_START_IDX}: prompt embeddings would be shifted")
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     with torch.random.fork_rng(devices=[]):  # the caller's RNG state is left alone
         torch.manual_seed(seed)
         text_config = dict(

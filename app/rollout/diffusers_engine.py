@@ -27,8 +27,12 @@ from app.types import GenerationRequest, LoraAdapter, Trajectory
 class DiffusersEngine:
     kind = "diffusers"
 
-    def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None):
+    def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
+                 batched_groups: bool = True):
+        """batched_groups=False samples a group one image at a time (n forwards of batch 1 per step: the
+        comparison the benchmark makes); the images are the same either way."""
         self.model_path = str(Path(model_path).resolve())
+        self.batched_groups = batched_groups
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.pipe = None
@@ -41,18 +45,22 @@ class DiffusersEngine:
     def lora_version(self) -> int:
         return self._lora_version
 
-    def _load(self) -> None:
+    def load(self) -> None:
+        """Load the pipeline onto the device (once; `start` does it off the event loop)."""
         from diffusers import QwenImagePipeline
 
         with self._lock:
             if self.pipe is None:
-                pipe = QwenImagePipeline.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+                if self.device.type == "cuda":  # straight to the GPU: a 20B model never sits in host memory
+                    pipe = QwenImagePipeline.from_pretrained(self.model_path, dtype=self.dtype, device_map="cuda")
+                else:
+                    pipe = QwenImagePipeline.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
                 pipe.set_progress_bar_config(disable=True)
                 self.pipe = pipe
 
     async def start(self) -> None:
         if self.pipe is None:
-            await asyncio.to_thread(self._load)
+            await asyncio.to_thread(self.load)
 
     @torch.no_grad()
     def _encode(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,12 +107,32 @@ class DiffusersEngine:
             negative_prompt_mask=neg_mask.long().cpu() if request.do_cfg else None,
             producer={"engine": self.kind, "pid": os.getpid()})
 
+    def _generate_per_sample(self, request: GenerationRequest, seed: int) -> Trajectory:
+        """The group as n groups of one image (image j keeps its generator: sample_offset), joined."""
+        parts = [self._generate(request.replace(n=1, sample_offset=request.sample_offset + j), seed)
+                 for j in range(request.n)]
+        first = parts[0]
+        return Trajectory.sampled(
+            request, seed=seed, lora_version=first.lora_version, images=torch.cat([t.images for t in parts]),
+            latents=torch.cat([t.latents for t in parts]), log_probs=torch.cat([t.log_probs for t in parts]),
+            timesteps=first.timesteps, sigmas=first.sigmas, prompt_embeds=first.prompt_embeds,
+            prompt_mask=first.prompt_mask, negative_prompt_embeds=first.negative_prompt_embeds,
+            negative_prompt_mask=first.negative_prompt_mask, producer=first.producer)
+
     def _generate_locked(self, request: GenerationRequest, seed: int) -> Trajectory:
         with self._lock:
             started = time.perf_counter()
-            traj = self._generate(request, seed)
+            traj = (self._generate if self.batched_groups or request.n == 1 else self._generate_per_sample)(
+                request, seed)
             traj.producer["seconds"] = time.perf_counter() - started
+            if self.device.type == "cuda":
+                traj.producer["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             return traj
+
+    def sample(self, request: GenerationRequest) -> Trajectory:
+        """`generate` for synchronous code in one process (no event loop): the single-GPU baseline."""
+        self.load()
+        return self._generate_locked(request, request.seed if request.seed is not None else draw_seed())
 
     async def generate(self, request: GenerationRequest) -> Trajectory:
         if not isinstance(request, GenerationRequest):
@@ -118,6 +146,23 @@ class DiffusersEngine:
             raise
         self._served += 1
         return traj
+
+    async def generate_plain(self, request: GenerationRequest) -> torch.Tensor:
+        """Stock diffusers sampling (`QwenImagePipeline.__call__`: its scheduler's ODE step, no trajectory) of the
+        same group: uint8 [n, H, W, 3]. The baseline for measuring what trajectory recording costs."""
+        await self.start()
+        seed = request.seed if request.seed is not None else draw_seed()
+
+        def run() -> torch.Tensor:
+            with self._lock, torch.no_grad():
+                out = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
+                                true_cfg_scale=request.guidance_scale, height=request.height, width=request.width,
+                                num_inference_steps=request.num_inference_steps, num_images_per_prompt=request.n,
+                                generator=sample_generators(seed, request.sample_offset, request.n),
+                                output_type="pt")
+                return (out.images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+        return await asyncio.to_thread(run)
 
     def _load_lora(self, adapter: LoraAdapter | None) -> int:
         with self._lock:

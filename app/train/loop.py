@@ -28,15 +28,16 @@ import torch.distributed as dist
 
 from app import metrics as run_metrics
 from app.algo.advantages import step_advantages
-from app.algo.loss import flow_grpo_loss, transition_kl
 from app.algo.timesteps import trained_steps
 from app.config import RunConfig
 from app.console import quiet_this_process
-from app.metrics import PhaseTimer, Stats, reduce_over_workers, reward_metrics
+from app.flops import MMDiT, forward_flops, step_flops
+from app.metrics import PhaseTimer, Stats, reduce_over_workers, reward_metrics, throughput
 from app.rollout.client import BlockingRolloutClient, RolloutClient, ScoredGroup
 from app.train import checkpoint
 from app.train.policy import Policy
 from app.train.prompts import group_request, load_prompts, step_prompts
+from app.train.update import recompute_log_probs, train_pass
 from app.types import LoraAdapter
 
 
@@ -96,15 +97,19 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
 
     # 4. old log-probs: what the rollout recorded, or the current policy's (before any update this step)
     mismatch = Stats()
-    old = [s.trajectory.log_probs for s in groups]  # [n, T] each
+    trajectories = [s.trajectory for s in groups]
+    old = [traj.log_probs for traj in trajectories]  # [n, T] each
     if train.old_logprob == "recompute":
-        old = _recompute_log_probs(worker, groups, mismatch)
+        with timer("recompute"):
+            old = recompute_log_probs(worker.policy, train, trajectories, mismatch)
 
     # 5. update: one optimizer step per pass over the batch
     stats = Stats()
     with timer("train"):
         for epoch in range(train.num_inner_epochs):
-            grad_norm = _train_pass(worker, step, epoch, groups, advantages, old, stats, mismatch)
+            grad_norm = train_pass(worker.policy, worker.optimizer, train, step=step, epoch=epoch,
+                                   trajectories=trajectories, advantages=advantages, old=old, stats=stats,
+                                   mismatch=mismatch)
 
     # 6. publish: the replicas serve the new adapter before any worker asks for the next step's rollouts
     with timer("publish"):
@@ -119,11 +124,13 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
              "rollout/staleness_max": float(staleness),
              "rollout/regenerated_groups": float(regenerated),
              "rollout/retries_max": float(sum(s.retries for s in groups)),  # failed attempts seen by one worker
-             "rollout/publish_lost_replicas_max": float(lost_replicas)}
+             "rollout/publish_lost_replicas_max": float(lost_replicas),
+             **_work_metrics(worker, step, groups)}
     out = {**reduce_over_workers(local, worker.world), **reward_metrics(rewards), **adv_metrics,
            "actor/grad_norm": grad_norm, "actor/lr": worker.optimizer.param_groups[0]["lr"],
            "rollout/adapter_version": float(worker.adapter.version),
            "rollout/images": float(sum(len(r.total) for r in rewards.values())), **timer.metrics()}
+    out.update(throughput(out, useful_tflop=out.pop("perf/useful_tflop") * worker.world, gpus=_gpus(cfg)))
     if _log_images_now(cfg, step):  # rank 0's log draws them
         images = np.concatenate([s.trajectory.images.numpy() for s in groups])
         worker.log.log_images(step + 1, images, [s.trajectory.prompt for s in groups],
@@ -131,60 +138,32 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
     return out
 
 
-def _train_pass(worker: Worker, step: int, epoch: int, groups: list[ScoredGroup], advantages: list[torch.Tensor],
-                old: list[torch.Tensor], stats: Stats, mismatch: Stats) -> float:
-    """One pass over this worker's groups: `train.timestep_fraction` of each group's steps in micro-batches, the
-    clipped loss (+ β·KL) backpropagated, gradients clipped, one optimizer step. Returns the gradient norm."""
+def _work_metrics(worker: Worker, step: int, groups: list[ScoredGroup]) -> dict[str, float]:
+    """This worker's share of the step's useful FLOPs (app/flops.py), how long the reward kept the rollout phase
+    going after the last group was generated, and peak GPU memory of the trainer and of the rollout replicas."""
     train = worker.config.train
-    worker.optimizer.zero_grad(set_to_none=True)
-    for s, adv, old_lp in zip(groups, advantages, old, strict=True):
-        traj = s.trajectory
-        steps = trained_steps(traj.num_inference_steps, train.timestep_fraction, seed=train.seed, step=step,
-                              group=traj.group_id, epoch=epoch)
-        weight = 1.0 / (len(groups) * traj.group_size * len(steps))  # loss = mean over this worker's terms
-        for start in range(0, traj.group_size, train.micro_batch_size):
-            samples = list(range(start, start + train.micro_batch_size))
-            for i in steps:
-                loss, terms = _step_loss(worker, traj, i, samples, adv[samples], old_lp[samples, i])
-                (loss * weight * len(samples)).backward()
-                stats.add(terms, len(samples))
-                if epoch == 0:  # nothing has been updated yet: the trainer must score what the rollout did
-                    stats.add({"actor/ratio_dev_first_pass_max": terms["actor/ratio_dev_max"]})
-                    if train.old_logprob == "rollout":
-                        mismatch.add({"rollout/logprob_mismatch_max": terms["actor/log_ratio_abs_max"]})
-    norm = torch.nn.utils.clip_grad_norm_(worker.policy.parameters(), train.max_grad_norm)
-    worker.optimizer.step()
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
-
-
-def _step_loss(worker: Worker, traj, i: int, samples: list[int], adv: torch.Tensor, old_lp: torch.Tensor):
-    """Clipped FlowGRPO loss (+ β·KL to the adapter-free reference) of step i for some members of a group."""
-    train = worker.config.train
-    (out,) = worker.policy.score(traj, [i], samples, flow_grpo_compat=train.flow_grpo_compat)
-    kl = None
-    if train.kl_beta > 0:
-        with torch.no_grad(), worker.policy.reference():
-            (ref,) = worker.policy.score(traj, [i], samples, flow_grpo_compat=train.flow_grpo_compat)
-        kl = transition_kl(out.prev_sample_mean, ref.prev_sample_mean, out.kl_std(train.flow_grpo_compat))
-    return flow_grpo_loss(out.log_prob, old_lp.to(out.log_prob), adv.to(out.log_prob), clip_range=train.clip_range,
-                          kl=kl, kl_beta=train.kl_beta)
-
-
-@torch.no_grad()
-def _recompute_log_probs(worker: Worker, groups: list[ScoredGroup], mismatch: Stats) -> list[torch.Tensor]:
-    """Old log-probs [n, T] per group from the current policy; logs how far the rollout's own are from them."""
-    out = []
+    model = MMDiT.from_config(worker.policy.transformer.config)
+    tflop = 0.0
     for s in groups:
         traj = s.trajectory
-        lp = torch.zeros_like(traj.log_probs)
-        for start in range(0, traj.group_size, worker.config.train.micro_batch_size):
-            samples = list(range(start, start + worker.config.train.micro_batch_size))
-            scored = worker.policy.score(traj, range(traj.num_inference_steps), samples,
-                                         flow_grpo_compat=worker.config.train.flow_grpo_compat)
-            lp[samples] = torch.stack([o.log_prob.float().cpu() for o in scored], dim=1)  # [mb, T]
-        mismatch.add({"rollout/logprob_mismatch_max": float((lp - traj.log_probs).abs().max())})
-        out.append(lp)
+        trained = train.num_inner_epochs * len(trained_steps(traj.num_inference_steps, train.timestep_fraction,
+                                                             seed=train.seed, step=step, group=traj.group_id, epoch=0))
+        forward = forward_flops(model, traj.latents.shape[2], int(traj.prompt_mask.sum()))
+        tflop += step_flops(forward, images=traj.group_size, num_inference_steps=traj.num_inference_steps,
+                            trained_steps=trained, cfg=traj.guidance_scale > 1, kl=train.kl_beta > 0)["total"] / 1e12
+    out = {"perf/useful_tflop": tflop,
+           "timing/reward_wait_s_max": max(0.0, max(s.scored_at for s in groups) - max(s.generated_at for s in groups))}
+    if torch.cuda.is_available():
+        out["memory/trainer_peak_gib_max"] = torch.cuda.max_memory_allocated() / 2**30
+    replica_peaks = [s.trajectory.producer.get("gpu_peak_gib", 0.0) for s in groups]
+    out["memory/rollout_peak_gib_max"] = max(replica_peaks)
     return out
+
+
+def _gpus(cfg: RunConfig) -> float:
+    """GPUs the run holds: rollout replicas' and training workers' (0 on CPUs)."""
+    rollout = cfg.rollout.num_replicas * cfg.rollout.replica_num_gpus
+    return rollout + (cfg.cluster.num_workers * cfg.cluster.worker_num_gpus if cfg.cluster.use_gpu else 0.0)
 
 
 def _gather_rewards(groups: list[ScoredGroup]) -> dict:
@@ -237,7 +216,7 @@ def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> 
         Path(model.path).resolve(), lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
         target_modules=model.lora_target_modules,
         dtype=getattr(torch, model.dtype), device=device, seed=train.seed,
-        adapter_tensors=restored.adapter if restored else None)
+        adapter_tensors=restored.adapter if restored else None, gradient_checkpointing=train.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
     state = checkpoint.TrainerState(seed=train.seed)
     adapter = None

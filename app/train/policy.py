@@ -49,14 +49,37 @@ class Policy:
         seed: int = 0,
         adapter_tensors: dict[str, torch.Tensor] | None = None,
         shard: bool | None = None,
+        gradient_checkpointing: bool = False,
     ) -> Policy:
         """Load `<model_path>/transformer`, freeze it, add the LoRA (initialised from `seed`, or loaded from
-        `adapter_tensors` when resuming), then shard it when a process group is up (`shard=None`: auto)."""
+        `adapter_tensors` when resuming), then shard it when a process group is up (`shard=None`: auto).
+        `gradient_checkpointing` recomputes each block's activations in the backward pass (real sizes need it)."""
         from diffusers import QwenImageTransformer2DModel
+
+        device = torch.device(device)
+        # on a GPU the weights go straight there (a 20B model never sits in the host's memory)
+        placement = {"device_map": {"": device}} if device.type == "cuda" else {}
+        transformer = QwenImageTransformer2DModel.from_pretrained(Path(model_path) / "transformer", dtype=dtype,
+                                                                  **placement)
+        cls.with_lora(transformer, lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules,
+                      seed=seed, adapter_tensors=adapter_tensors, gradient_checkpointing=gradient_checkpointing)
+        transformer.to(device)
+        shard = dist.is_available() and dist.is_initialized() if shard is None else shard
+        if shard:
+            _fully_shard(transformer, dtype)
+        return cls(transformer, sharded=shard)
+
+    @classmethod
+    def with_lora(cls, transformer, *, lora_rank: int, lora_alpha: float, target_modules: Sequence[str], seed: int = 0,
+                  adapter_tensors: dict[str, torch.Tensor] | None = None,
+                  gradient_checkpointing: bool = False) -> Policy:
+        """`transformer` frozen, with the LoRA added (fp32 weights: the optimizer updates those), unsharded. The
+        single-process baseline samples with the same module it trains."""
         from peft import LoraConfig, set_peft_model_state_dict
 
-        transformer = QwenImageTransformer2DModel.from_pretrained(Path(model_path) / "transformer", dtype=dtype)
         transformer.requires_grad_(False)
+        if gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # every rank initialises the same adapter (A random, B = 0: starts at the base)
             transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha,
@@ -65,15 +88,10 @@ class Policy:
             result = set_peft_model_state_dict(transformer, adapter_tensors, adapter_name=ADAPTER_NAME)
             if result.unexpected_keys:
                 raise ValueError(f"checkpoint adapter does not match the model: {result.unexpected_keys[:3]}")
-        if dtype != torch.float32:  # the optimizer updates fp32 LoRA weights; FSDP2 casts them for compute
-            for p in transformer.parameters():
-                if p.requires_grad:
-                    p.data = p.data.float()
-        transformer.to(device)
-        shard = dist.is_available() and dist.is_initialized() if shard is None else shard
-        if shard:
-            _fully_shard(transformer, dtype)
-        return cls(transformer, sharded=shard)
+        for p in transformer.parameters():  # the optimizer updates fp32 LoRA weights; FSDP2 casts them for compute
+            if p.requires_grad:
+                p.data = p.data.float()
+        return cls(transformer, sharded=False)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The trainable (LoRA) parameters."""

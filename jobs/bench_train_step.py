@@ -1,0 +1,119 @@
+"""The trainer's update on the real transformer under FSDP2: milliseconds per image per trained step, and its MFU.
+
+    python -m jobs.bench_train_step --config configs/qwen_image_ocr_2gpu.yaml model.path=DIR [--groups 2]
+
+One process, one rank (a world of one: FSDP2 wraps the model as the Ray Train worker does), the run config's
+recipe: LoRA rank and targets, micro-batch, CFG, β·KL, gradient checkpointing. The batch is `--groups` groups of
+`rollout.group_size` sampled images in shape (random latents and prompt states: the cost does not depend on the
+values), with old log-probs scored by the policy first, so the first pass's ratios are 1 as in training. Timed: one
+`app.train.update.train_pass` (forward, backward, clipping, optimizer step) after a warm-up pass; the figure is the
+median of --repeats passes. Useful FLOPs (app/flops.py): forward + input-gradient backward of both CFG branches,
+plus the reference forward when β > 0; gradient checkpointing's recomputation is not counted. One JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from app.config import load
+from app.flops import MMDiT, forward_flops, mfu, step_flops
+from app.metrics import Stats
+from app.models import qwen_image
+from app.train.policy import Policy
+from app.train.update import recompute_log_probs, train_pass
+from app.types import Trajectory
+from jobs.report import emit_json_line
+
+TEXT_TOKENS = 64  # prompt states per image (an OCR prompt under Qwen's template)
+
+
+def synthetic_group(config, group: int, text_dim: int, device_seed: int) -> Trajectory:
+    """A group shaped as the rollout would return it (CPU tensors), random values."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    rollout, gen = config.rollout, torch.Generator().manual_seed(device_seed + group)
+    n, steps = rollout.group_size, rollout.num_inference_steps
+    tokens = qwen_image.image_seq_len(rollout.height, rollout.width)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config.model.path, subfolder="scheduler")
+    timesteps, sigmas = qwen_image.schedule(scheduler, steps, tokens)
+    cfg = rollout.guidance_scale > 1
+    return Trajectory(
+        prompt=f"group {group}", group_id=group,
+        images=torch.zeros(n, rollout.height, rollout.width, 3, dtype=torch.uint8),
+        latents=torch.randn(n, steps + 1, tokens, 64, generator=gen), log_probs=torch.zeros(n, steps),
+        timesteps=timesteps, sigmas=sigmas, prompt_embeds=torch.randn(TEXT_TOKENS, text_dim, generator=gen),
+        prompt_mask=torch.ones(TEXT_TOKENS, dtype=torch.long), noise_level=rollout.noise_level,
+        sde_type=str(rollout.sde_type), seed=group, lora_version=0, height=rollout.height, width=rollout.width,
+        guidance_scale=rollout.guidance_scale,
+        negative_prompt_embeds=torch.randn(TEXT_TOKENS, text_dim, generator=gen) if cfg else None,
+        negative_prompt_mask=torch.ones(TEXT_TOKENS, dtype=torch.long) if cfg else None)
+
+
+def bench(config, groups: int, repeats: int) -> dict:
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    model, rollout, train = config.model, config.rollout, config.train
+    policy = Policy.from_pretrained(model.path, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
+                                    target_modules=model.lora_target_modules, dtype=getattr(torch, model.dtype),
+                                    device=device, seed=train.seed, shard=True,
+                                    gradient_checkpointing=train.gradient_checkpointing)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
+    shape = MMDiT.from_config(policy.transformer.config)
+    batch = [synthetic_group(config, g, shape.text_dim, train.seed) for g in range(groups)]
+    advantages = [torch.randn(t.group_size, generator=torch.Generator().manual_seed(g)) for g, t in enumerate(batch)]
+    old = recompute_log_probs(policy, train, batch, Stats())  # the first pass's ratios are 1, as in training
+
+    def one_pass(step: int) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        train_pass(policy, optimizer, train, step=step, epoch=0, trajectories=batch, advantages=advantages, old=old,
+                   stats=Stats(), mismatch=Stats())
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - began
+
+    one_pass(0)  # warm-up: allocator, kernels, optimizer state
+    seconds = statistics.median(one_pass(step) for step in range(1, repeats + 1))
+    images = groups * rollout.group_size
+    trained = max(1, round(train.timestep_fraction * rollout.num_inference_steps))
+    forward = forward_flops(shape, qwen_image.image_seq_len(rollout.height, rollout.width), TEXT_TOKENS)
+    flops = step_flops(forward, images=images, num_inference_steps=0, trained_steps=trained,
+                       cfg=rollout.guidance_scale > 1, kl=train.kl_beta > 0)
+    useful = flops["train"] + flops["reference"]
+    dist.destroy_process_group()
+    return {
+        "bench": "train_step", "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "layers": shape.num_layers, "size": f"{rollout.width}x{rollout.height}", "images": images,
+        "trained_steps": trained, "cfg": rollout.guidance_scale, "kl_beta": train.kl_beta,
+        "lora_rank": model.lora_rank, "lora_targets": len(model.lora_target_modules),
+        "micro_batch_size": train.micro_batch_size, "gradient_checkpointing": train.gradient_checkpointing,
+        "pass_s": round(seconds, 3), "ms_per_image_step": round(1000 * seconds / (images * trained), 1),
+        "useful_tflops": round(useful / seconds / 1e12, 1), "mfu": round(mfu(useful, seconds, 1), 4) if cuda else None,
+        "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--groups", type=int, default=2, help="prompt groups in the timed batch")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes (median reported)")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args(argv)
+    emit_json_line(bench(load(args.config, args.overrides), args.groups, args.repeats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
