@@ -280,11 +280,13 @@ def reduce_over_workers(metrics: dict[str, float], world: int) -> dict[str, floa
         chosen = sorted(k for k in metrics if _extreme(k) == kind)  # the same keys in the same order on every rank
         if not chosen:
             continue
-        values = torch.tensor([metrics[k] for k in chosen], dtype=torch.float64)
+        # NCCL reduces GPU tensors only
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        values = torch.tensor([metrics[k] for k in chosen], dtype=torch.float64, device=device)
         dist.all_reduce(values, op=op)
         if kind is None:
             values /= world
-        out.update(zip(chosen, values.tolist(), strict=True))
+        out.update(zip(chosen, values.cpu().tolist(), strict=True))
     return out
 
 

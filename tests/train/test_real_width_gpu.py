@@ -1,8 +1,12 @@
 """The diffusers engine and the trainer at Qwen-Image's real width (3072, 24 heads, text states 3584; a few of the
 60 blocks) in bf16 on one GPU, from a checkpoint built by `jobs.make_tiny_models --preset qwen-image-full` and
-loaded through the normal `model.path` route. The same sample must score the same whatever batch it is in: the
-trainer's log-probs of a group sampled at batch 8 agree with the rollout's to 1e-3, scored 8 at a time or one at a
-time, and so do those of the group sampled one image at a time. Runs on the lent GPU machine; deselected elsewhere."""
+loaded through the normal `model.path` route. Runs on the lent GPU machine; deselected elsewhere.
+
+What holds in bf16: a sample scored in a batch of the size it was sampled in scores as the rollout recorded it
+(measured 0.0 on an H200, at batch 8 and at batch 1). What does not: the same sample in a batch of another size
+(1.8e-3 measured there): the GPU's matrix kernels depend on the batch. That is above FlowGRPO's clip range (1e-4),
+so the GPU configs train in micro-batches of a whole group (`train.micro_batch_size` = `rollout.group_size`), or
+recompute old log-probs (`train.old_logprob: recompute`) where the rollout batches groups together (vllm-omni)."""
 
 import socket
 
@@ -16,7 +20,8 @@ from app.rollout.diffusers_engine import DiffusersEngine
 from app.train.policy import Policy
 
 pytestmark = pytest.mark.gpu
-TOLERANCE = 1e-3  # bf16 rollout vs bf16 trainer, mean log-density per latent element
+TOLERANCE = 1e-3  # bf16 rollout vs bf16 trainer, mean log-density per latent element, same batch size
+CROSS_BATCH = 1e-2  # the same across batch sizes (1.8e-3 measured on an H200)
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
            "img_mlp.net.0.proj", "img_mlp.net.2"]
 
@@ -64,7 +69,12 @@ def test_a_sample_scores_the_same_in_any_batch_at_real_width(real_width_model, n
     mismatches = {}
     for name, traj in (("sampled at batch 8", batched), ("sampled one at a time", one_by_one)):
         for micro_batch in (8, 1):
-            mismatches[f"{name}, scored {micro_batch} at a time"] = float(
+            mismatches[(name, micro_batch)] = float(
                 (trainer_log_probs(policy, traj, micro_batch) - traj.log_probs).abs().max())
     print("bf16 real-width rollout/trainer log-prob mismatch:", mismatches)
-    assert all(m <= TOLERANCE for m in mismatches.values()), mismatches
+    # scored in batches of the size it was sampled in: as the rollout recorded it
+    assert mismatches[("sampled at batch 8", 8)] <= TOLERANCE
+    assert mismatches[("sampled one at a time", 1)] <= TOLERANCE
+    # in a batch of another size: close (the kernels differ), but not within the clip range; the configs avoid it
+    assert mismatches[("sampled at batch 8", 1)] <= CROSS_BATCH
+    assert mismatches[("sampled one at a time", 8)] <= CROSS_BATCH
