@@ -5,10 +5,11 @@
                  exists; every group must come from the adapter of the previous step (checked, logged)
  3. advantages   per prompt group, over the whole step's batch (every worker sees every reward)
  4. old log-probs  the rollout's own (`train.old_logprob: rollout`) or recomputed; their mismatch is logged
- 5. update       per pass: a fraction of the timesteps in micro-batches, clipped loss + β·KL, backward;
-                 gradient clipping; one optimizer step
+ 5. update       per pass (app/train/update.py): a fraction of the timesteps in micro-batches, clipped
+                 loss + β·KL, backward; gradient clipping; one optimizer step
  6. publish      the new adapter to the adapter store and every live rollout replica: step k+1 samples from it
- 7. report       metrics (tensorboard, Ray metrics, `ray.train.report`) and, every few steps, a checkpoint
+ 7. report       metrics (tensorboard, Ray metrics, `ray.train.report`; phase times, useful FLOPs, MFU, peak
+                 GPU memory) and, every few steps, a checkpoint
 
 All ranks make the same FSDP2 calls in the same order: every worker owns the same number of groups, trains the
 same number of timesteps and micro-batches. `ray.train` appears in this module only.
