@@ -202,3 +202,54 @@ class LoraAdapter:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    def packed(self, dtype: torch.dtype | None = None) -> PackedLora:
+        """The adapter as one contiguous buffer (in `dtype`, e.g. the replicas' compute dtype; None: as it is).
+        Each tensor is cast while it is copied in: one pass over the adapter."""
+        dtypes = {name: dtype or t.dtype for name, t in self.tensors.items()}
+        offsets, total = {}, 0
+        for name, tensor in self.tensors.items():  # each tensor starts 8-byte aligned: any dtype can view it
+            offsets[name] = total
+            total += -(-tensor.numel() * dtypes[name].itemsize // 8) * 8
+        flat = torch.empty(total, dtype=torch.uint8)
+        index = []
+        for name, tensor in self.tensors.items():
+            start, size = offsets[name], tensor.numel() * dtypes[name].itemsize
+            flat[start:start + size].view(dtypes[name]).copy_(tensor.reshape(-1))
+            index.append((name, str(dtypes[name]).removeprefix("torch."), tuple(tensor.shape), start))
+        return PackedLora(flat.numpy(), index, rank=self.rank, alpha=self.alpha,
+                          target_modules=list(self.target_modules), version=self.version)
+
+
+@dataclass
+class PackedLora:
+    """A `LoraAdapter` as it travels through Ray's object store: one uint8 numpy buffer and an index of
+    (name, dtype, shape, byte offset). Ray stores a numpy array without pickling and reads it back zero-copy on the
+    same node, where a dict of torch tensors is pickled tensor by tensor; and one buffer is one host-to-device
+    copy at the replica."""
+
+    buffer: object  # numpy uint8 [bytes]
+    index: list[tuple[str, str, tuple[int, ...], int]]
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    version: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+    def unpack(self, device: str | torch.device = "cpu") -> LoraAdapter:
+        """The adapter, its tensors views of one copy of the buffer on `device`."""
+        import warnings
+
+        with warnings.catch_warnings():  # the object store's buffer is read-only; it is only read (copied) here
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(self.buffer)
+        data = data.to(device, non_blocking=False) if torch.device(device).type != "cpu" else data.clone()
+        tensors = {}
+        for name, dtype_name, shape, offset in self.index:
+            dtype = getattr(torch, dtype_name)
+            tensors[name] = data[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        return LoraAdapter(tensors, rank=self.rank, alpha=self.alpha, target_modules=list(self.target_modules),
+                           version=self.version)

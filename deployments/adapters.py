@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ray
 
-from app.types import LoraAdapter
+from app.types import PackedLora
 
 
 class AdapterStore:
@@ -21,8 +21,9 @@ class AdapterStore:
         self.version = 0  # 0: the base model
         self._ref = None  # ObjectRef of the LoraAdapter, owned by this replica
 
-    async def publish(self, adapter: LoraAdapter | None) -> tuple[int, list]:
-        """Keep `adapter` (None: back to the base model); returns what `current` returns."""
+    async def publish(self, adapter: PackedLora | None) -> tuple[int, list]:
+        """Keep `adapter` (None: back to the base model); returns what `current` returns. The packed buffer is read
+        zero-copy from the object store and put again once, owned here."""
         self._ref = ray.put(adapter) if adapter is not None else None
         self.version = adapter.version if adapter is not None else 0
         return await self.current()

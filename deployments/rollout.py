@@ -9,7 +9,7 @@ import socket
 
 from app.config import Engine, ModelConfig, RolloutConfig
 from app.faults import crash_point
-from app.types import GenerationRequest, LoraAdapter, Trajectory
+from app.types import GenerationRequest, LoraAdapter, PackedLora, Trajectory
 
 
 def make_engine(model: ModelConfig, rollout: RolloutConfig):
@@ -77,12 +77,15 @@ class RolloutReplica:
                 await self.load_lora(refs or None)
         return self.engine.lora_version
 
-    async def load_lora(self, adapter: LoraAdapter | list | None) -> int:
+    async def load_lora(self, adapter: LoraAdapter | PackedLora | list | None) -> int:
         """Serve a new adapter (None: the base model). `adapter` may be wrapped as `[ObjectRef]` (published once
-        to the object store; wrapping keeps Ray from resolving it before this method decides to)."""
+        to the object store; wrapping keeps Ray from resolving it before this method decides to), and packed (one
+        buffer: unpacked straight onto the engine's device)."""
         if isinstance(adapter, list):
             (ref,) = adapter
             adapter = await ref
+        if isinstance(adapter, PackedLora):
+            adapter = adapter.unpack(getattr(self.engine, "device", "cpu"))
         version = adapter.version if adapter is not None else 0
         crash_point("rollout.load_lora", version)  # tests only: a replica dying mid-publish
         async with self._adapter_lock:

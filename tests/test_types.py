@@ -60,3 +60,23 @@ def test_lora_adapter_validation():
         LoraAdapter({}, rank=4, alpha=4, target_modules=["to_q"], version=0)
     with pytest.raises(ValueError, match="lora_A"):
         LoraAdapter({"x.weight": torch.zeros(1)}, rank=4, alpha=4, target_modules=["to_q"], version=1)
+
+
+def test_a_packed_adapter_unpacks_to_the_same_tensors():
+    tensors = {"blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 6),
+               "blocks.0.attn.to_q.lora_B.weight": torch.randn(6, 4),
+               "blocks.1.attn.to_v.lora_A.weight": torch.randn(3, 5).to(torch.bfloat16)}  # 30 bytes: odd alignment
+    adapter = LoraAdapter(tensors, rank=4, alpha=8, target_modules=["to_q", "to_v"], version=7)
+    packed = adapter.packed()
+    assert packed.buffer.dtype.name == "uint8" and packed.buffer.ndim == 1
+    back = packed.unpack()
+    assert (back.version, back.rank, back.alpha, back.target_modules) == (7, 4, 8, ["to_q", "to_v"])
+    for name, tensor in tensors.items():
+        assert back.tensors[name].dtype == tensor.dtype and torch.equal(back.tensors[name], tensor)
+    # in the replicas' dtype: half the bytes of fp32, each value rounded as a cast would
+    half = adapter.packed(torch.bfloat16)
+    assert half.nbytes < packed.nbytes
+    for name, tensor in half.unpack().tensors.items():
+        assert torch.equal(tensor, tensors[name].to(torch.bfloat16))
+    back.tensors[next(iter(tensors))].add_(1)  # the unpacked tensors are its own, not views of the buffer
+    assert torch.equal(packed.unpack().tensors[next(iter(tensors))], tensors[next(iter(tensors))])

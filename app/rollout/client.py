@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import torch
 from ray.exceptions import RayActorError
 
 from app.rewards import RewardScores
@@ -72,8 +73,11 @@ def _short(err: BaseException) -> str:
 
 
 class RolloutClient:
-    def __init__(self, rollout, reward, adapters=None, *, retries: int = 3, retry_delay_s: float = 2.0):
+    def __init__(self, rollout, reward, adapters=None, *, retries: int = 3, retry_delay_s: float = 2.0,
+                 publish_dtype: torch.dtype | None = None):
+        """publish_dtype: what adapters travel in (the replicas' compute dtype; they cast to it anyway)."""
         self.rollout, self.reward, self.adapters = rollout, reward, adapters  # DeploymentHandles
+        self.publish_dtype = publish_dtype
         # a group whose replica died mid-request, or whose reward failed, is asked again (Serve routes it to a live
         # or restarted replica); a rejected generation request (ValueError: bad input) is not retried
         self.retries, self.retry_delay_s = retries, retry_delay_s
@@ -124,7 +128,7 @@ class RolloutClient:
         return sorted(groups, key=lambda g: g.index)
 
     async def publish(self, adapter: LoraAdapter | None) -> Publication:
-        return await publish_lora(self.rollout, self.adapters, adapter)
+        return await publish_lora(self.rollout, self.adapters, adapter, dtype=self.publish_dtype)
 
     async def collect_on_policy(self, requests: Sequence[GenerationRequest],
                                 adapter: LoraAdapter | None) -> tuple[list[ScoredGroup], int]:
@@ -173,14 +177,16 @@ class BlockingRolloutClient:
         self.close()
 
 
-async def publish_lora(rollout, adapters, adapter: LoraAdapter | None) -> Publication:
-    """Make `adapter` the one every rollout replica serves (None: the base model, version 0).
+async def publish_lora(rollout, adapters, adapter: LoraAdapter | None, *,
+                       dtype: torch.dtype | None = None) -> Publication:
+    """Make `adapter` the one every rollout replica serves (None: the base model, version 0). It travels packed
+    (`LoraAdapter.packed`: one buffer, in `dtype` if given), stored once and read by every replica.
 
     The adapter store keeps it first (it puts the adapter in the object store once and owns it), so a replica
     that starts later finds it; then every live replica loads it. A replica that dies before answering is
     counted, not fatal: Serve replaces it and the replacement loads the stored adapter before serving. Any
     other failure (a replica that answered with an error or another version) raises."""
-    version, refs = await adapters.publish.remote(adapter)
+    version, refs = await adapters.publish.remote(adapter.packed(dtype) if adapter is not None else None)
     answers = await rollout.broadcast("load_lora", refs or None).results_async(return_exceptions=True)
     lost = [a for a in answers if isinstance(a, RayActorError)]
     errors = [a for a in answers if isinstance(a, BaseException) and not isinstance(a, RayActorError)]

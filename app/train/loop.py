@@ -63,7 +63,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     "rollout", "reward", "adapters": DeploymentHandles of the application serving the rollouts and rewards}."""
     config = loop_config["config"]
     client = RolloutClient(loop_config["rollout"], loop_config["reward"], loop_config["adapters"],
-                           retries=config.rollout.request_retries)
+                           retries=config.rollout.request_retries, publish_dtype=getattr(torch, config.model.dtype))
     with BlockingRolloutClient(client) as rollout:
         worker = _setup(config, Path(loop_config["run_dir"]), rollout)
         cfg = worker.config.train
