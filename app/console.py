@@ -57,6 +57,8 @@ def quiet_this_process(verbose: bool) -> None:
     """Loggers of this process: WARNING and above, minus the known-harmless warnings (nothing when verbose)."""
     if verbose:
         return
+    # weight-loading progress bars (diffusers, transformers) of this process and of the workers it starts
+    os.environ.setdefault("TQDM_DISABLE", "1")
     for name in _CHATTY_LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
