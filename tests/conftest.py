@@ -58,6 +58,21 @@ def tiny_model_dir() -> Path:
     return build_tiny_qwen_image(TINY_CACHE / "tiny-qwen-image", seed=0)
 
 
+@pytest.fixture(scope="module")
+def nccl_group():
+    """A process group of one rank on the GPU (NCCL), as a Ray Train worker has: FSDP2 wraps the model under it."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def aio():
     """Runs a coroutine on one event loop kept for the whole session (the engine's background tasks live there)."""

@@ -13,10 +13,7 @@ What it is for: throughput and memory measurements, and the GPU tests, through t
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -91,18 +88,9 @@ def build_full_random_qwen_image(out_dir: str | os.PathLike, seed: int = 0, *, n
     out = Path(out_dir).resolve()
     wanted = {"family": "qwen_image", "preset": PRESET, "seed": seed, "num_layers": num_layers,
               "text_layers": text_layers, "builder_version": BUILDER_VERSION}
-    if not overwrite and tiny.is_tiny_build(out, wanted):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def save(staging: Path) -> None:
         components = full_random_components(seed, num_layers=num_layers, text_layers=text_layers, device=device)
         QwenImagePipeline(**components).save_pretrained(staging, max_shard_size="5GB")
-        (staging / tiny.BUILD_INFO_FILE).write_text(json.dumps(wanted, indent=1) + "\n")
-        del components
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+
+    return tiny.write_build(out, wanted, save, overwrite=overwrite)

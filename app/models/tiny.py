@@ -122,12 +122,19 @@ def build_tiny_qwen_image(out_dir: str | os.PathLike, seed: int = 0, *, overwrit
 
     out = Path(out_dir).resolve()
     wanted = {"family": "qwen_image", "seed": seed, "builder_version": BUILDER_VERSION}
+    return write_build(out, wanted, lambda staging: QwenImagePipeline(**tiny_qwen_image_components(seed))
+                       .save_pretrained(staging), overwrite=overwrite)
+
+
+def write_build(out: Path, wanted: dict, save, *, overwrite: bool = False) -> Path:
+    """`save(folder)` writes a checkpoint, recorded with its build info `wanted`, unless the same build is already at
+    `out`. The folder is written next to its destination and renamed into place: a reader never sees half a model."""
     if not overwrite and is_tiny_build(out, wanted):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        QwenImagePipeline(**tiny_qwen_image_components(seed)).save_pretrained(staging)
+        save(staging)
         (staging / BUILD_INFO_FILE).write_text(json.dumps(wanted, indent=1) + "\n")
         if out.exists():
             shutil.rmtree(out)

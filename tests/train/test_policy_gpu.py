@@ -1,11 +1,9 @@
 """The policy on a CUDA GPU in bf16 under FSDP2 (NCCL): the mixed-precision path the GPU config takes (bf16
 base and compute, fp32 LoRA and gradient reduction). Runs on the lent GPU machine; deselected elsewhere."""
 
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from app.rollout.diffusers_engine import DiffusersEngine
 from app.train.policy import Policy
@@ -13,15 +11,6 @@ from app.types import GenerationRequest
 
 pytestmark = pytest.mark.gpu
 
-
-@pytest.fixture
-def nccl_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_bf16_fsdp2_policy_on_cuda_scores_the_rollout_and_trains(nccl_group, tiny_model_dir, aio):

@@ -8,11 +8,9 @@ What holds in bf16: a sample scored in a batch of the size it was sampled in sco
 so the GPU configs train in micro-batches of a whole group (`train.micro_batch_size` = `rollout.group_size`), or
 recompute old log-probs (`train.old_logprob: recompute`) where the rollout batches groups together (vllm-omni)."""
 
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from app.config import RolloutConfig
 from app.models.full_random import build_full_random_qwen_image
@@ -31,15 +29,6 @@ def real_width_model(tmp_path_factory):
     return build_full_random_qwen_image(tmp_path_factory.mktemp("qwen-image-real-width") / "model", seed=0,
                                         num_layers=4, device="cuda")
 
-
-@pytest.fixture(scope="module")
-def nccl_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def trainer_log_probs(policy, traj, micro_batch: int) -> torch.Tensor:
