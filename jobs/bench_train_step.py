@@ -7,17 +7,20 @@ recipe: LoRA rank and targets, micro-batch, CFG, β·KL, gradient checkpointing.
 `rollout.group_size` sampled images in shape (random latents and prompt states: the cost does not depend on the
 values), with old log-probs scored by the policy first, so the first pass's ratios are 1 as in training. Timed: one
 `app.train.update.train_pass` (forward, backward, clipping, optimizer step) after a warm-up pass; the figure is the
-median of --repeats passes. Useful FLOPs (app/flops.py): forward + input-gradient backward of both CFG branches,
+median of --repeats passes (`--profile FILE`: one more pass under the torch profiler, its GPU time by kind of
+kernel written to FILE as JSON). Useful FLOPs (app/flops.py): forward + input-gradient backward of both CFG branches,
 plus the reference forward when β > 0; gradient checkpointing's recomputation is not counted. One JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -56,7 +59,30 @@ def synthetic_group(config, group: int, text_dim: int, device_seed: int) -> Traj
         negative_prompt_mask=torch.ones(TEXT_TOKENS, dtype=torch.long) if cfg else None)
 
 
-def bench(config, groups: int, repeats: int) -> dict:
+KERNEL_KINDS = [  # (kind, substrings of CUDA kernel names), first match wins
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "xmma", "sm90", "wgmma", "cublas")),
+    ("collective_copy", ("nccl", "memcpy", "memset", "copy_kernel", "catarraybatched", "split_with_sizes")),
+    ("reduction_norm", ("reduce", "norm", "softmax")),
+]
+
+
+def kernel_time_by_kind(profiler) -> dict:
+    """GPU seconds per kind of kernel (element-wise: whatever is not named above), and the top kernels."""
+    kernels = [e for e in profiler.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    by_kind: dict[str, float] = {}
+    for event in kernels:
+        name = event.key.lower()
+        kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "elementwise")
+        by_kind[kind] = by_kind.get(kind, 0.0) + event.self_device_time_total / 1e6
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
+    return {"gpu_s_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "gpu_s_total": round(sum(by_kind.values()), 3),
+            "top_kernels": [{"name": e.key[:120], "gpu_s": round(e.self_device_time_total / 1e6, 4),
+                             "calls": e.count} for e in top]}
+
+
+def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict:
     cuda = torch.cuda.is_available()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
@@ -85,6 +111,15 @@ def bench(config, groups: int, repeats: int) -> dict:
 
     one_pass(0)  # warm-up: allocator, kernels, optimizer state
     seconds = statistics.median(one_pass(step) for step in range(1, repeats + 1))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    if profile and cuda:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            profiled_s = one_pass(repeats + 1)
+        Path(profile).write_text(json.dumps({"pass_s": round(seconds, 3), "profiled_pass_s": round(profiled_s, 3),
+                                             **kernel_time_by_kind(prof)}, indent=1))
     images = groups * rollout.group_size
     trained = max(1, round(train.timestep_fraction * rollout.num_inference_steps))
     forward = forward_flops(shape, qwen_image.image_seq_len(rollout.height, rollout.width), TEXT_TOKENS)
@@ -100,7 +135,7 @@ def bench(config, groups: int, repeats: int) -> dict:
         "micro_batch_size": train.micro_batch_size, "gradient_checkpointing": train.gradient_checkpointing,
         "pass_s": round(seconds, 3), "ms_per_image_step": round(1000 * seconds / (images * trained), 1),
         "useful_tflops": round(useful / seconds / 1e12, 1), "mfu": round(mfu(useful, seconds, 1), 4) if cuda else None,
-        "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+        "gpu_peak_gib": round(peak, 1) if cuda else None,
     }
 
 
@@ -109,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--groups", type=int, default=2, help="prompt groups in the timed batch")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes (median reported)")
+    parser.add_argument("--profile", help="write the GPU time by kind of kernel of one more pass to this JSON file")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
-    emit_json_line(bench(load(args.config, args.overrides), args.groups, args.repeats))
+    emit_json_line(bench(load(args.config, args.overrides), args.groups, args.repeats, args.profile))
     return 0
 
 

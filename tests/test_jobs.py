@@ -23,3 +23,22 @@ def test_bench_rollout_prints_one_json_line(tmp_path):
     result = json.loads(lines[0])
     assert result["batched_images_per_s"] > 0 and result["per_sample_images_per_s"] > 0
     assert result["batched_over_per_sample"] > 0 and "trajectory_overhead_pct" in result
+
+
+def test_bench_train_step_prints_one_json_line(tmp_path):
+    """The trainer benchmark runs the real update (FSDP2 over a world of one, gloo on CPU) with selective
+    activation checkpointing, as the GPU configs may."""
+    build = subprocess.run([sys.executable, "-m", "jobs.make_tiny_models", "--out", str(tmp_path / "tiny")],
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.bench_train_step", "--config", "configs/tiny_cpu.yaml", "--groups", "1",
+         "--repeats", "1", f"model.path={tmp_path / 'tiny'}", "train.gradient_checkpointing=selective"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert result["gradient_checkpointing"] == "selective"
+    assert result["pass_s"] > 0 and result["ms_per_image_step"] > 0
+    assert result["images"] == 4 and result["trained_steps"] >= 1

@@ -49,11 +49,12 @@ class Policy:
         seed: int = 0,
         adapter_tensors: dict[str, torch.Tensor] | None = None,
         shard: bool | None = None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: str = "none",
     ) -> Policy:
         """Load `<model_path>/transformer`, freeze it, add the LoRA (initialised from `seed`, or loaded from
         `adapter_tensors` when resuming), then shard it when a process group is up (`shard=None`: auto).
-        `gradient_checkpointing` recomputes each block's activations in the backward pass (real sizes need it)."""
+        `gradient_checkpointing`: "none", "full" (each block runs again in the backward pass) or "selective" (only
+        its element-wise ops do; matmul and attention outputs are kept). Real sizes need one of the last two."""
         from diffusers import QwenImageTransformer2DModel
 
         device = torch.device(device)
@@ -72,14 +73,18 @@ class Policy:
     @classmethod
     def with_lora(cls, transformer, *, lora_rank: int, lora_alpha: float, target_modules: Sequence[str], seed: int = 0,
                   adapter_tensors: dict[str, torch.Tensor] | None = None,
-                  gradient_checkpointing: bool = False) -> Policy:
+                  gradient_checkpointing: str = "none") -> Policy:
         """`transformer` frozen, with the LoRA added (fp32 weights: the optimizer updates those), unsharded. The
         single-process baseline samples with the same module it trains."""
         from peft import LoraConfig, set_peft_model_state_dict
 
         transformer.requires_grad_(False)
-        if gradient_checkpointing:
+        if gradient_checkpointing == "full":
             transformer.enable_gradient_checkpointing()
+        elif gradient_checkpointing == "selective":
+            transformer.enable_gradient_checkpointing(_checkpoint_keeping_matmuls)
+        elif gradient_checkpointing != "none":
+            raise ValueError(f"gradient_checkpointing must be none, full or selective, not {gradient_checkpointing!r}")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # every rank initialises the same adapter (A random, B = 0: starts at the base)
             transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha,
@@ -147,6 +152,36 @@ def load_adapter_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
 
     state = QwenImagePipeline.lora_state_dict(str(directory))
     return {transformer_key(k): v for k, v in state.items()}
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    """Selective activation checkpointing: keep what is costly to run again (matmuls, attention), recompute the
+    rest (norms, modulation, RoPE, activations: memory-bound, cheap). Recomputation is the same eager kernels on the
+    same inputs, so gradients are bit-identical to no checkpointing."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _saved_ops() -> set:
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu"]
+    return {getattr(aten, name).default for name in names if hasattr(aten, name)}
+
+
+_SAVED_OPS = _saved_ops()
+
+
+def _checkpoint_keeping_matmuls(module, *args):
+    """diffusers' gradient-checkpointing hook with the selective policy above."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    return checkpoint(module.__call__, *args, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, _keep_matmuls))
 
 
 def _fully_shard(transformer, dtype: torch.dtype) -> None:
