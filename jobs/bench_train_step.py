@@ -7,9 +7,10 @@ recipe: LoRA rank and targets, micro-batch, CFG, β·KL, gradient checkpointing.
 `rollout.group_size` sampled images in shape (random latents and prompt states: the cost does not depend on the
 values), with old log-probs scored by the policy first, so the first pass's ratios are 1 as in training. Timed: one
 `app.train.update.train_pass` (forward, backward, clipping, optimizer step) after a warm-up pass; the figure is the
-median of --repeats passes (`--profile FILE`: one more pass under the torch profiler, its GPU time by kind of
-kernel written to FILE as JSON). Useful FLOPs (app/flops.py): forward + input-gradient backward of both CFG branches,
-plus the reference forward when β > 0; gradient checkpointing's recomputation is not counted. One JSON line.
+median of --repeats passes (`--profile FILE`: one micro-batch of one trained step under the torch profiler, its
+GPU time by kind of kernel written to FILE as JSON). Useful FLOPs (app/flops.py): forward + input-gradient
+backward of both CFG branches, plus the reference forward when β > 0; gradient checkpointing's recomputation is
+not counted. One JSON line.
 """
 
 from __future__ import annotations
@@ -112,13 +113,22 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
     one_pass(0)  # warm-up: allocator, kernels, optimizer state
     seconds = statistics.median(one_pass(step) for step in range(1, repeats + 1))
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    if profile and cuda:
+    if profile:  # one micro-batch of one trained step (forward, reference, backward): the repeating unit
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            profiled_s = one_pass(repeats + 1)
-        Path(profile).write_text(json.dumps({"pass_s": round(seconds, 3), "profiled_pass_s": round(profiled_s, 3),
+        from app.train.update import step_loss
+
+        traj, samples = batch[0], list(range(train.micro_batch_size))
+        with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            began = time.perf_counter()
+            loss, _ = step_loss(policy, train, traj, 0, samples, advantages[0][samples], old[0][samples, 0])
+            loss.backward()
+            if cuda:
+                torch.cuda.synchronize()
+            profiled_s = time.perf_counter() - began
+        optimizer.zero_grad(set_to_none=True)
+        Path(profile).write_text(json.dumps({"micro_step_s": round(profiled_s, 3), "images": len(samples),
                                              **kernel_time_by_kind(prof)}, indent=1))
     images = groups * rollout.group_size
     trained = max(1, round(train.timestep_fraction * rollout.num_inference_steps))

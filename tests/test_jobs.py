@@ -33,7 +33,8 @@ def test_bench_train_step_prints_one_json_line(tmp_path):
     assert build.returncode == 0, build.stderr[-3000:]
     done = subprocess.run(
         [sys.executable, "-m", "jobs.bench_train_step", "--config", "configs/tiny_cpu.yaml", "--groups", "1",
-         "--repeats", "1", f"model.path={tmp_path / 'tiny'}", "train.gradient_checkpointing=selective"],
+         "--repeats", "1", "--profile", str(tmp_path / "profile.json"), f"model.path={tmp_path / 'tiny'}",
+         "train.gradient_checkpointing=selective"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -42,3 +43,5 @@ def test_bench_train_step_prints_one_json_line(tmp_path):
     assert result["gradient_checkpointing"] == "selective"
     assert result["pass_s"] > 0 and result["ms_per_image_step"] > 0
     assert result["images"] == 4 and result["trained_steps"] >= 1
+    profile = json.loads((tmp_path / "profile.json").read_text())  # GPU kernels only: none on a CPU
+    assert profile["micro_step_s"] > 0 and profile["images"] == 4 and profile["gpu_s_total"] == 0

@@ -12,8 +12,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 def test_two_steps_on_one_gpu(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     done = run_job(f"model.path={tiny_model_dir}", "rollout.height=64", "rollout.width=64", "rollout.group_size=4",
-                   "train.groups_per_step=2", "train.num_steps=2", "rollout.replica_num_gpus=0.5",
-                   "cluster.worker_num_gpus=0.5", "reward.ocr_detect_min_side=64", f"logging.dir={run_dir}",
+                   "train.micro_batch_size=4", "train.groups_per_step=2", "train.num_steps=2",
+                   "rollout.replica_num_gpus=0.5", "cluster.worker_num_gpus=0.5", "reward.ocr_detect_min_side=64",
+                   f"logging.dir={run_dir}",
                    config="configs/qwen_image_ocr_2gpu.yaml")
     assert done.returncode == 0, done.stderr[-4000:]
     records = read_history(run_dir)

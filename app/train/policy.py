@@ -155,23 +155,30 @@ def load_adapter_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs):
-    """Selective activation checkpointing: keep what is costly to run again (matmuls, attention), recompute the
-    rest (norms, modulation, RoPE, activations: memory-bound, cheap). Recomputation is the same eager kernels on the
-    same inputs, so gradients are bit-identical to no checkpointing."""
+    """Selective activation checkpointing: keep the outputs of what is costly to run again (the weight matmuls,
+    attention), recompute the rest (norms, modulation, RoPE, activations: memory-bound, cheap, and the LoRA's
+    rank-r up-projection, whose output is as wide as the layer's but costs only 2·r FLOPs per element).
+    Recomputation runs the same eager kernels on the same inputs, so gradients are bit-identical."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in _ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    if op in _MATMUL_OPS:
+        a, b = args[1:3] if op is _ADDMM else args[:2]  # addmm(bias, a, b)
+        inner, width = a.shape[-1], b.shape[-1]
+        if 8 * inner > width:  # not a LoRA's up-projection (inner = r ≪ width), which is cheaper to recompute
+            return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _saved_ops() -> set:
-    aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu"]
-    return {getattr(aten, name).default for name in names if hasattr(aten, name)}
+def _ops(*names: str) -> set:
+    return {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
 
 
-_SAVED_OPS = _saved_ops()
+_MATMUL_OPS = _ops("mm", "addmm")
+_ADDMM = torch.ops.aten.addmm.default
+_ATTENTION_OPS = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                      "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
 
 
 def _checkpoint_keeping_matmuls(module, *args):
