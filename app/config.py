@@ -60,14 +60,6 @@ class OldLogprob(StrEnum):
     recompute = "recompute"  # one extra forward of the current policy
 
 
-class Checkpointing(StrEnum):
-    """What each transformer block keeps for the backward pass (activation checkpointing)."""
-
-    none = "none"  # everything: fastest, and far too much memory at real sizes
-    full = "full"  # only the block's inputs; the whole block runs again in the backward pass (~1/3 more compute)
-    selective = "selective"  # the matmul and attention outputs; only the cheap element-wise ops run again
-
-
 class LogLevel(StrEnum):
     DEBUG = "DEBUG"
     INFO = "INFO"
@@ -195,8 +187,9 @@ class TrainConfig:
     adv_clip_max: float = 5.0
     # fraction of the T denoising steps trained per sample (FlowGRPO timestep_fraction)
     timestep_fraction: float = 1.0
-    # activation checkpointing of each transformer block (real sizes need "full" or "selective"; see Checkpointing)
-    gradient_checkpointing: Checkpointing = Checkpointing.none
+    # recompute each transformer block's activations in the backward pass: far less memory for ~1/3 more compute
+    # (real sizes need it; the tiny model does not)
+    gradient_checkpointing: bool = False
     # optimizer steps per batch of rollouts (one per pass; passes after the first are off-policy and clipped)
     num_inner_epochs: int = 1
     # samples of one prompt group per forward/backward on one worker (divides rollout.group_size)

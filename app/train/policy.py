@@ -49,12 +49,11 @@ class Policy:
         seed: int = 0,
         adapter_tensors: dict[str, torch.Tensor] | None = None,
         shard: bool | None = None,
-        gradient_checkpointing: str = "none",
+        gradient_checkpointing: bool = False,
     ) -> Policy:
         """Load `<model_path>/transformer`, freeze it, add the LoRA (initialised from `seed`, or loaded from
         `adapter_tensors` when resuming), then shard it when a process group is up (`shard=None`: auto).
-        `gradient_checkpointing`: "none", "full" (each block runs again in the backward pass) or "selective" (only
-        its element-wise ops do; matmul and attention outputs are kept). Real sizes need one of the last two."""
+        `gradient_checkpointing` recomputes each block's activations in the backward pass (real sizes need it)."""
         from diffusers import QwenImageTransformer2DModel
 
         device = torch.device(device)
@@ -73,18 +72,14 @@ class Policy:
     @classmethod
     def with_lora(cls, transformer, *, lora_rank: int, lora_alpha: float, target_modules: Sequence[str], seed: int = 0,
                   adapter_tensors: dict[str, torch.Tensor] | None = None,
-                  gradient_checkpointing: str = "none") -> Policy:
+                  gradient_checkpointing: bool = False) -> Policy:
         """`transformer` frozen, with the LoRA added (fp32 weights: the optimizer updates those), unsharded. The
         single-process baseline samples with the same module it trains."""
         from peft import LoraConfig, set_peft_model_state_dict
 
         transformer.requires_grad_(False)
-        if gradient_checkpointing == "full":
+        if gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
-        elif gradient_checkpointing == "selective":
-            transformer.enable_gradient_checkpointing(_checkpoint_keeping_matmuls)
-        elif gradient_checkpointing != "none":
-            raise ValueError(f"gradient_checkpointing must be none, full or selective, not {gradient_checkpointing!r}")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # every rank initialises the same adapter (A random, B = 0: starts at the base)
             transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha,
@@ -152,43 +147,6 @@ def load_adapter_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
 
     state = QwenImagePipeline.lora_state_dict(str(directory))
     return {transformer_key(k): v for k, v in state.items()}
-
-
-def _keep_matmuls(ctx, op, *args, **kwargs):
-    """Selective activation checkpointing: keep the outputs of what is costly to run again (the weight matmuls,
-    attention), recompute the rest (norms, modulation, RoPE, activations: memory-bound, cheap, and the LoRA's
-    rank-r up-projection, whose output is as wide as the layer's but costs only 2·r FLOPs per element).
-    Recomputation runs the same eager kernels on the same inputs, so gradients are bit-identical."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    if op in _ATTENTION_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    if op in _MATMUL_OPS:
-        a, b = args[1:3] if op is _ADDMM else args[:2]  # addmm(bias, a, b)
-        inner, width = a.shape[-1], b.shape[-1]
-        if 8 * inner > width:  # not a LoRA's up-projection (inner = r ≪ width), which is cheaper to recompute
-            return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _ops(*names: str) -> set:
-    return {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
-
-
-_MATMUL_OPS = _ops("mm", "addmm")
-_ADDMM = torch.ops.aten.addmm.default
-_ATTENTION_OPS = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                      "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _checkpoint_keeping_matmuls(module, *args):
-    """diffusers' gradient-checkpointing hook with the selective policy above."""
-    from functools import partial
-
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-    return checkpoint(module.__call__, *args, use_reentrant=False,
-                      context_fn=partial(create_selective_checkpoint_contexts, _keep_matmuls))
 
 
 def _fully_shard(transformer, dtype: torch.dtype) -> None:

@@ -71,62 +71,6 @@ def test_reference_is_the_base_model_and_the_adapter_comes_back(tiny_model_dir, 
     assert torch.equal(again.prev_sample_mean, tuned.prev_sample_mean)
 
 
-def _lora_grads_and_matmuls(policy: Policy, traj) -> tuple[dict[str, torch.Tensor], int]:
-    """LoRA gradients of one step's summed log-probs, and how many matmuls ran (forward + backward)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter:
-        (out,) = policy.score(traj, [1], [0, 1, 2, 3])
-        out.log_prob.sum().backward()
-    grads = {name: p.grad.clone() for name, p in policy.transformer.named_parameters() if p.requires_grad}
-    return grads, counter.get_total_flops()
-
-
-def test_gradient_checkpointing_changes_no_gradient_and_selective_recomputes_few_matmuls(tiny_model_dir, adapter,
-                                                                                           rollout):
-    results = {mode: _lora_grads_and_matmuls(make_policy(tiny_model_dir, adapter, gradient_checkpointing=mode),
-                                             rollout)
-               for mode in ("none", "full", "selective")}
-    plain, plain_flops = results["none"]
-    for mode in ("full", "selective"):
-        grads, _ = results[mode]
-        assert grads.keys() == plain.keys() and len(plain) > 0
-        for name, grad in grads.items():  # the same eager kernels run again on the same inputs: bit-identical
-            assert torch.equal(grad, plain[name]), (mode, name)
-    # full checkpointing runs every block's matmuls again in the backward pass; selective only the LoRA's rank-r
-    # up-projections (a large share of this tiny model's FLOPs, 2% of the real one's)
-    full_extra, selective_extra = results["full"][1] - plain_flops, results["selective"][1] - plain_flops
-    assert full_extra > 0.2 * plain_flops
-    assert 0 < selective_extra < 0.5 * full_extra, (selective_extra, full_extra)
-    with pytest.raises(ValueError, match="none, full or selective"):
-        make_policy(tiny_model_dir, adapter, gradient_checkpointing="some")
-
-
-def test_selective_checkpointing_keeps_weight_matmuls_and_recomputes_lora_up_projections():
-    """The policy on Qwen-Image's real shapes (8 sequences of 1088 tokens, width 3072, LoRA rank 64), on the meta
-    device: what it keeps is what costs FLOPs to run again."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    from app.train.policy import _keep_matmuls
-
-    aten, tokens = torch.ops.aten, 8 * 1088
-
-    def meta(*shape):
-        return torch.empty(*shape, device="meta", dtype=torch.bfloat16)
-
-    def policy(op, *args):
-        return _keep_matmuls(None, getattr(op, "default", op), *args)
-
-    keep, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
-    assert policy(aten.addmm, meta(3072), meta(tokens, 3072), meta(3072, 3072)) == keep  # q/k/v/out projections
-    assert policy(aten.addmm, meta(12288), meta(tokens, 3072), meta(3072, 12288)) == keep  # MLP up
-    assert policy(aten.addmm, meta(3072), meta(tokens, 12288), meta(12288, 3072)) == keep  # MLP down
-    assert policy(aten.mm, meta(tokens, 3072), meta(3072, 64)) == keep  # LoRA down (x·A): narrow output
-    assert policy(aten.mm, meta(tokens, 64), meta(64, 3072)) == again  # LoRA up (·B): 2·64 FLOPs per element
-    assert policy(aten.mul.Tensor, meta(tokens, 3072), meta(tokens, 3072)) == again  # element-wise
-
-
 def test_adapter_exports_and_loads_in_diffusers(tiny_model_dir, adapter, rollout, tmp_path):
     policy = make_policy(tiny_model_dir, adapter)
     exported = policy.export_adapter(version=7)
