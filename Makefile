@@ -30,9 +30,14 @@ test: setup lint
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
-# the main job on the tiny config (CPU, a few minutes); a new run folder each time; ARGS="key=value ..." overrides
+# config overrides given on make's command line: every variable whose name has a dot (`make train
+# rollout.engine=diffusers train.num_steps=4`); ARGS="key=value ..." works too
+CONFIG_OVERRIDES := $(strip $(foreach v,$(.VARIABLES),$(if $(and $(findstring .,$(v)),$(filter command line,$(origin $(v)))),$(v)=$($(v)))))
+
+# the main job on the tiny config (CPU, a few minutes); a new run folder each time
 train: setup
-	$(PY) -m jobs.train --config configs/tiny_cpu.yaml logging.dir=runs/tiny_cpu/$$(date +%Y%m%d-%H%M%S) $(ARGS)
+	$(PY) -m jobs.train --config configs/tiny_cpu.yaml logging.dir=runs/tiny_cpu/$$(date +%Y%m%d-%H%M%S) \
+		$(CONFIG_OVERRIDES) $(ARGS)
 
 tiny-models: setup
 	$(PY) -m jobs.make_tiny_models --out .cache/tiny-qwen-image
