@@ -58,6 +58,14 @@ def tiny_model_dir() -> Path:
     return build_tiny_qwen_image(TINY_CACHE / "tiny-qwen-image", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_bagel_dir() -> Path:
+    """The tiny BAGEL checkpoint, built once into the cache folder and reused across sessions."""
+    from app.models.tiny_bagel import build_tiny_bagel
+
+    return build_tiny_bagel(TINY_CACHE / "tiny-bagel", seed=0)
+
+
 @pytest.fixture(scope="module")
 def nccl_group():
     """A process group of one rank on the GPU (NCCL), as a Ray Train worker has: FSDP2 wraps the model under it."""

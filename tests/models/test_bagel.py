@@ -1,0 +1,231 @@
+"""The pure-torch BAGEL: strict loading, Mixture-of-Transformers routing (text through the understanding expert,
+latents through the generation expert, a LoRA of the generation expert never touching the context), the velocity
+against an independent float64 re-computation, and CFG and the schedule against hand-worked numbers."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from app.models.bagel import GENERATION_TARGETS, BagelMoT, Context, combine_cfg, schedule
+
+GRID = (4, 4)  # a 64x64 image: 4x4 latent tokens of 2x2 patches
+
+
+@pytest.fixture(scope="module")
+def bagel_dir(tiny_bagel_dir):
+    return tiny_bagel_dir
+
+
+@pytest.fixture(scope="module")
+def tokens(bagel_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bagel_dir)
+    ids = tokenizer.convert_tokens_to_ids
+    prompt = [ids("<|im_start|>"), *tokenizer('a sign that says "OPEN"').input_ids, ids("<|im_end|>")]
+    return torch.tensor(prompt), (ids("<|vision_start|>"), ids("<|vision_end|>"))
+
+
+def inputs(batch: int = 2, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, GRID[0] * GRID[1], 64, generator=generator), torch.tensor([0.9, 0.35][:batch])
+
+
+def test_checkpoint_loads_strictly_with_upstream_names(bagel_dir):
+    model = BagelMoT.from_checkpoint(bagel_dir)
+    state = load_file(str(bagel_dir / "ema.safetensors"))
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    names = {name for name, _ in model.named_modules()}
+    for target in GENERATION_TARGETS:
+        assert any(name.endswith(target) for name in names), target
+
+
+def test_text_runs_through_the_understanding_expert_and_latents_through_the_generation_expert(bagel_dir, tokens):
+    prompt, marks = tokens
+    latents, t = inputs()
+    base = BagelMoT.from_checkpoint(bagel_dir)
+    with torch.no_grad():
+        context = base.prefill_text(prompt)
+        v = base.velocity(latents, t, context, GRID, marks)
+    for name, moves_context in (("mlp.down_proj", True), ("mlp_moe_gen.down_proj", False),
+                                ("self_attn.k_proj", True), ("self_attn.k_proj_moe_gen", False)):
+        changed = BagelMoT.from_checkpoint(bagel_dir)
+        layer = changed.language_model.model.layers[0]
+        module = layer.get_submodule(name)
+        with torch.no_grad():
+            module.weight.add_(0.5)
+            new_context = changed.prefill_text(prompt)
+            new_v = changed.velocity(latents, t, new_context, GRID, marks)
+        context_moved = any(not torch.equal(a[0], b[0]) for a, b in zip(context.layers, new_context.layers,
+                                                                          strict=True))
+        assert context_moved == moves_context, name
+        assert (new_v - v).abs().max() > 1e-4, name  # the image attends to the context, and is the gen tokens
+
+
+def test_a_lora_of_the_generation_expert_moves_the_velocity_not_the_context(bagel_dir, tokens):
+    from peft import LoraConfig
+
+    prompt, marks = tokens
+    latents, t = inputs()
+    model = BagelMoT.from_checkpoint(bagel_dir)
+    with torch.no_grad():
+        context = model.prefill_text(prompt)
+        base = model.velocity(latents, t, context, GRID, marks)
+    torch.manual_seed(1)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=GENERATION_TARGETS, init_lora_weights=False),
+                      "gen")
+    wrapped = [name for name, m in model.named_modules() if hasattr(m, "lora_A")]
+    assert len(wrapped) == len(GENERATION_TARGETS) * model.config.num_hidden_layers
+    assert all("moe_gen" in name for name in wrapped)
+    with torch.no_grad():
+        tuned_context = model.prefill_text(prompt)
+        tuned = model.velocity(latents, t, tuned_context, GRID, marks)
+        model.disable_adapters()
+        again = model.velocity(latents, t, context, GRID, marks)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(context.layers, tuned_context.layers, strict=True))
+    assert (tuned - base).abs().max() > 1e-3
+    assert torch.equal(again, base)
+
+
+def _reference_velocity(w: dict, config: dict, prompt, latents, t, marks, grid) -> torch.Tensor:
+    """BAGEL's velocity written out as plain float64 tensor algebra from the checkpoint's tensors: one packed
+    sequence [prompt; start-of-image, latents, end-of-image] with a mask (the prompt causal, the image seeing
+    everything), rather than the model's prefill-then-query with a cache."""
+    llm = config["llm_config"]
+    hidden, heads, kv_heads = llm["hidden_size"], llm["num_attention_heads"], llm["num_key_value_heads"]
+    d, eps = hidden // heads, llm["rms_norm_eps"]
+    w = {k: v.double() for k, v in w.items()}
+    p, n = prompt.shape[0], latents.shape[0]
+
+    def rms(x, weight):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
+
+    def linear(x, name, bias=True):
+        y = x @ w[f"{name}.weight"].T
+        return y + w[f"{name}.bias"] if bias else y
+
+    half = 128
+    angles = t * torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half)
+    temb = linear(torch.nn.functional.silu(linear(torch.cat([angles.cos(), angles.sin()]), "time_embedder.mlp.0")),
+                  "time_embedder.mlp.2")
+    side = config["max_latent_size"]
+    pos_ids = [r * side + c for r in range(grid[0]) for c in range(grid[1])]
+    embed = w["language_model.model.embed_tokens.weight"]
+    image = linear(latents.double(), "vae2llm") + temb + w["latent_pos_embed.pos_embed"][pos_ids]
+    x = torch.cat([embed[prompt], embed[marks[0]][None], image, embed[marks[1]][None]])  # [p + n + 2, H]
+    gen = torch.zeros(x.shape[0], dtype=torch.bool)
+    gen[p + 1:p + 1 + n] = True
+    positions = torch.cat([torch.arange(p), torch.full((n + 2,), p)]).double()
+    inv = 1.0 / llm["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions[:, None] * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    allowed = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool)
+    allowed[:p, :p] = torch.tril(torch.ones(p, p, dtype=torch.bool))
+    allowed[:p, p:] = False  # the prompt never sees the image
+
+    def expert(rows, name_und, name_gen, fn):
+        return torch.where(gen[:, None], fn(rows, name_gen), fn(rows, name_und))
+
+    def rotate(v):
+        return v * cos[:, None] + torch.cat([-v[..., d // 2:], v[..., :d // 2]], -1) * sin[:, None]
+
+    def norm(r, name):
+        return rms(r, w[f"{name}.weight"])
+
+    def projection(r, name):
+        return linear(r, name, bias=not name.split(".")[-1].startswith("o_proj"))
+
+    def mlp(r, name):
+        return linear(torch.nn.functional.silu(linear(r, f"{name}.gate_proj", False))
+                      * linear(r, f"{name}.up_proj", False), f"{name}.down_proj", False)
+
+    for i in range(llm["num_hidden_layers"]):
+        pre = f"language_model.model.layers.{i}."
+        h = expert(x, pre + "input_layernorm", pre + "input_layernorm_moe_gen", norm)
+        qkv = {}
+        for proj, count in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            name = f"{pre}self_attn.{proj}_proj"
+            y = expert(h, name, name + "_moe_gen", projection).view(-1, count, d)
+            if proj != "v":
+                y = torch.where(gen[:, None, None], rms(y, w[f"{pre}self_attn.{proj}_norm_moe_gen.weight"]),
+                                rms(y, w[f"{pre}self_attn.{proj}_norm.weight"]))
+                y = rotate(y)
+            qkv[proj] = y.repeat_interleave(heads // count, dim=1) if count != heads else y
+        scores = torch.einsum("qhd,khd->hqk", qkv["q"], qkv["k"]) / math.sqrt(d)
+        scores = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        attn = torch.einsum("hqk,khd->qhd", scores, qkv["v"]).reshape(-1, hidden)
+        x = x + expert(attn, pre + "self_attn.o_proj", pre + "self_attn.o_proj_moe_gen", projection)
+        h = expert(x, pre + "post_attention_layernorm", pre + "post_attention_layernorm_moe_gen", norm)
+        x = x + expert(h, pre + "mlp", pre + "mlp_moe_gen", mlp)
+    out = rms(x[gen], w["language_model.model.norm_moe_gen.weight"])
+    return linear(out, "llm2vae")
+
+
+def test_velocity_equals_an_independent_float64_computation(bagel_dir, tokens):
+    prompt, marks = tokens
+    latents, t = inputs(batch=2)
+    model = BagelMoT.from_checkpoint(bagel_dir, dtype=torch.float64)
+    with torch.no_grad():
+        v = model.velocity(latents.double(), t.double(), model.prefill_text(prompt), GRID, marks)
+    config = json.loads((bagel_dir / "config.json").read_text())
+    weights = load_file(str(bagel_dir / "ema.safetensors"))
+    for b in range(2):
+        expected = _reference_velocity(weights, config, prompt, latents[b], t[b].double(), marks, GRID)
+        torch.testing.assert_close(v[b], expected, rtol=1e-10, atol=1e-10)
+
+
+def test_the_empty_context_puts_the_image_at_position_zero(bagel_dir, tokens):
+    _, marks = tokens
+    latents, t = inputs(batch=1)
+    model = BagelMoT.from_checkpoint(bagel_dir, dtype=torch.float64)
+    with torch.no_grad():
+        v = model.velocity(latents.double(), t.double(), Context.empty(), GRID, marks)
+    config = json.loads((bagel_dir / "config.json").read_text())
+    no_prompt = torch.tensor([], dtype=torch.long)
+    expected = _reference_velocity(load_file(str(bagel_dir / "ema.safetensors")), config, no_prompt, latents[0],
+                                   t[0].double(), marks, GRID)
+    torch.testing.assert_close(v[0], expected, rtol=1e-10, atol=1e-10)
+
+
+def test_cfg_combination_hand_worked():
+    v, v_text = torch.tensor([[[3.0, 4.0]]]), torch.tensor([[[0.0, 0.0]]])
+    # text CFG 2: 0 + 2·(3, 4) = (6, 8), norm 10 > ‖v‖ = 5 → scaled by 0.5 back to (3, 4)
+    assert torch.allclose(combine_cfg(v, v_text, None, text_scale=2.0, img_scale=1.0), v)
+    # no renormalisation needed when the guided velocity is shorter: (3, 4) + 0.5·((3, 4) − (3, 4)) stays
+    shorter = combine_cfg(v, torch.tensor([[[1.0, 1.0]]]), None, text_scale=0.5, img_scale=1.0)
+    assert torch.allclose(shorter, torch.tensor([[[2.0, 2.5]]]))  # (1,1) + 0.5·(2,3); norm 3.2 < 5: scale 1
+    # image CFG 1.5 after text CFG 2: (1, 0) + 1.5·((6, 8) − (1, 0)) = (8.5, 12), norm √216.25 → ×5/14.7054
+    both = combine_cfg(v, v_text, torch.tensor([[[1.0, 0.0]]]), text_scale=2.0, img_scale=1.5)
+    assert torch.allclose(both, torch.tensor([[[8.5, 12.0]]]) * 5 / math.sqrt(216.25))
+    # renorm_min bounds the shrinking: scale max(0.5, 0.8) = 0.8
+    assert torch.allclose(combine_cfg(v, v_text, None, text_scale=2.0, img_scale=1.0, renorm_min=0.8),
+                          torch.tensor([[[4.8, 6.4]]]))
+
+
+def test_cfg_global_norm_is_per_sample_and_channel_norm_per_token():
+    v = torch.tensor([[[3.0, 4.0], [0.0, 1.0]], [[1.0, 0.0], [0.0, 0.0]]])  # two samples of two tokens
+    zero = torch.zeros_like(v)
+    guided = combine_cfg(v, zero, None, text_scale=2.0, img_scale=1.0)  # 2v, each sample scaled back by 1/2
+    assert torch.allclose(guided, v)
+    lopsided = torch.tensor([[[3.0, 4.0], [0.0, 1.0]]])
+    text = torch.tensor([[[0.0, 0.0], [0.0, 2.0]]])  # guided: (6, 8) and (0, 0)
+    per_sample = combine_cfg(lopsided, text, None, text_scale=2.0, img_scale=1.0, renorm="global")
+    assert torch.allclose(per_sample, torch.tensor([[[6.0, 8.0], [0.0, 0.0]]]) * math.sqrt(26.0) / 10.0)
+    per_token = combine_cfg(lopsided, text, None, text_scale=2.0, img_scale=1.0, renorm="channel")
+    assert torch.allclose(per_token, torch.tensor([[[3.0, 4.0], [0.0, 0.0]]]))
+    with pytest.raises(ValueError, match="renorm"):
+        combine_cfg(v, zero, None, text_scale=2.0, img_scale=1.0, renorm="none")
+
+
+def test_schedule_shift_hand_worked():
+    sigmas = schedule(6, 3.0)  # σ = 1, .8, .6, .4, .2, 0 → 3σ / (1 + 2σ)
+    expected = torch.tensor([1.0, 2.4 / 2.6, 1.8 / 2.2, 1.2 / 1.8, 0.6 / 1.4, 0.0])
+    torch.testing.assert_close(sigmas, expected)
+    torch.testing.assert_close(schedule(3, 1.0), torch.tensor([1.0, 0.5, 0.0]))
+    with pytest.raises(ValueError, match="at least 2"):
+        schedule(1, 3.0)
