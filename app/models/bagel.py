@@ -356,3 +356,97 @@ def schedule(num_points: int, shift: float) -> torch.Tensor:
         raise ValueError("a BAGEL schedule needs at least 2 points (one step)")
     sigmas = torch.linspace(1, 0, num_points, dtype=torch.float64)
     return (shift * sigmas / (1 + (shift - 1) * sigmas)).float()
+
+
+# ---- sampling and re-scoring a group (the engine's loop and the trainer's recompute share these) -------------------
+
+@dataclass(frozen=True)
+class Guidance:
+    """BAGEL's classifier-free guidance settings (vllm-omni's `cfg_text_scale`, `cfg_img_scale`, `cfg_interval`,
+    `cfg_renorm_type`, `cfg_renorm_min`). text_scale 1 disables CFG."""
+
+    text_scale: float = 1.0
+    img_scale: float = 1.0
+    interval: tuple[float, float] = (0.4, 1.0)  # CFG applies at steps with lo < t ≤ hi
+    renorm: str = "global"
+    renorm_min: float = 0.0
+
+    def applies(self, t: float) -> bool:
+        return self.text_scale > 1.0 and self.interval[0] < t <= self.interval[1]
+
+
+@dataclass
+class Contexts:
+    """The conditioning of a group: the full context, the text-unconditional one (the negative prompt's, or the
+    empty context) and, for edits, the image-unconditional one."""
+
+    full: Context
+    text_uncond: Context | None = None
+    image_uncond: Context | None = None
+
+
+def guided_velocity(model: BagelMoT, latents: torch.Tensor, sigma: float, contexts: Contexts, guidance: Guidance,
+                    grid: tuple[int, int], image_tokens: tuple[int, int]) -> torch.Tensor:
+    """The velocity of a batch of latents [B, N, 64] at σ, with BAGEL's CFG where it applies."""
+    t = torch.full((latents.shape[0],), sigma, dtype=latents.dtype, device=latents.device)
+    v = model.velocity(latents, t, contexts.full, grid, image_tokens)
+    if not guidance.applies(sigma):
+        return v
+    if contexts.text_uncond is None:
+        raise ValueError("text CFG needs the text-unconditional context")
+    v_text = model.velocity(latents, t, contexts.text_uncond, grid, image_tokens)
+    v_img = None
+    if guidance.img_scale > 1.0 and contexts.image_uncond is not None:
+        v_img = model.velocity(latents, t, contexts.image_uncond, grid, image_tokens)
+    return combine_cfg(v, v_text, v_img, text_scale=guidance.text_scale, img_scale=guidance.img_scale,
+                       renorm=guidance.renorm, renorm_min=guidance.renorm_min)
+
+
+def initial_latents(generators, num_tokens: int, channels: int = 64, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """x at σ = 1, one sample per generator: [n, N, channels] (each sample's noise depends only on its own
+    generator, so a group sampled whole or one by one starts from the same x)."""
+    return torch.stack([torch.randn(num_tokens, channels, generator=g, device=device, dtype=dtype)
+                        for g in generators])
+
+
+def sample_group(model: BagelMoT, contexts: Contexts, guidance: Guidance, *, generators, grid: tuple[int, int],
+                 image_tokens: tuple[int, int], sigmas: torch.Tensor, noise_level: float,
+                 sde_type: str = "sde") -> tuple[torch.Tensor, torch.Tensor]:
+    """Denoise len(generators) samples with the FlowGRPO SDE: (latents [n, T+1, N, 64] at every σ visited,
+    log-probs [n, T] of the steps taken). The generators draw the initial noise and then every step's noise."""
+    from app.algo.sde import sde_step
+
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    x = initial_latents(generators, grid[0] * grid[1], dtype=dtype, device=device)
+    visited, log_probs = [x], []
+    for i in range(sigmas.shape[0] - 1):
+        v = guided_velocity(model, x, float(sigmas[i]), contexts, guidance, grid, image_tokens)
+        out = sde_step(v, x, float(sigmas[i]), float(sigmas[i + 1]), noise_level=noise_level, sde_type=sde_type,
+                       sigma_max=float(sigmas[1]), generator=list(generators), sample_dtype=dtype)
+        x = out.prev_sample
+        visited.append(x)
+        log_probs.append(out.log_prob)
+    return torch.stack(visited, dim=1), torch.stack(log_probs, dim=1)
+
+
+def score_steps(model: BagelMoT, contexts: Contexts, guidance: Guidance, *, latents: torch.Tensor, steps,
+                grid: tuple[int, int], image_tokens: tuple[int, int], sigmas: torch.Tensor, noise_level: float,
+                sde_type: str = "sde", flow_grpo_compat: bool = False) -> list:
+    """Re-score stored transitions latents[:, i] → latents[:, i + 1] for each i of `steps` (latents [B, T+1, N, 64]
+    of some members of a group): one `SDEStepOutput` per step, differentiable w.r.t. the model's LoRA."""
+    from app.algo.sde import sde_step
+
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    outputs = []
+    for i in steps:
+        if not 0 <= i < sigmas.shape[0] - 1:
+            raise ValueError(f"step {i} is outside the trajectory's {sigmas.shape[0] - 1} steps")
+        x = latents[:, i].to(device=device, dtype=dtype)
+        v = guided_velocity(model, x, float(sigmas[i]), contexts, guidance, grid, image_tokens)
+        outputs.append(sde_step(v, x, float(sigmas[i]), float(sigmas[i + 1]), noise_level=noise_level,
+                                sde_type=sde_type, sigma_max=float(sigmas[1]),
+                                prev_sample=latents[:, i + 1].to(device), flow_grpo_compat=flow_grpo_compat))
+    return outputs
