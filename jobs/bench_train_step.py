@@ -98,14 +98,15 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
     shape = MMDiT.from_config(policy.transformer.config)
     batch = [synthetic_group(config, g, shape.text_dim, train.seed) for g in range(groups)]
     advantages = [torch.randn(t.group_size, generator=torch.Generator().manual_seed(g)) for g, t in enumerate(batch)]
-    old = recompute_log_probs(policy, train, batch, Stats())  # the first pass's ratios are 1, as in training
+    # old log-probs at the steps each pass trains, scored up front so that its first ratios are 1, as in training
+    old = [recompute_log_probs(policy, train, batch, Stats(), step=step) for step in range(repeats + 1)]
 
     def one_pass(step: int) -> float:
         if cuda:
             torch.cuda.synchronize()
         began = time.perf_counter()
-        train_pass(policy, optimizer, train, step=step, epoch=0, trajectories=batch, advantages=advantages, old=old,
-                   stats=Stats(), mismatch=Stats())
+        train_pass(policy, optimizer, train, step=step, epoch=0, trajectories=batch, advantages=advantages,
+                   old=old[step], stats=Stats(), mismatch=Stats())
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - began
@@ -122,7 +123,7 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
         traj, samples = batch[0], list(range(train.micro_batch_size))
         with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             began = time.perf_counter()
-            loss, _ = step_loss(policy, train, traj, 0, samples, advantages[0][samples], old[0][samples, 0])
+            loss, _ = step_loss(policy, train, traj, 0, samples, advantages[0][samples], old[0][0][samples, 0])
             loss.backward()
             if cuda:
                 torch.cuda.synchronize()

@@ -102,7 +102,7 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
     old = [traj.log_probs for traj in trajectories]  # [n, T] each
     if train.old_logprob == "recompute":
         with timer("recompute"):
-            old = recompute_log_probs(worker.policy, train, trajectories, mismatch)
+            old = recompute_log_probs(worker.policy, train, trajectories, mismatch, step=step)
 
     # 5. update: one optimizer step per pass over the batch
     stats = Stats()

@@ -60,17 +60,25 @@ def step_loss(policy: Policy, train: TrainConfig, traj: Trajectory, i: int, samp
 
 
 @torch.no_grad()
-def recompute_log_probs(policy: Policy, train: TrainConfig, trajectories: Sequence[Trajectory],
-                        mismatch: Stats) -> list[torch.Tensor]:
-    """Old log-probs [n, T] per group from the current policy; logs how far the rollout's own are from them."""
+def recompute_log_probs(policy: Policy, train: TrainConfig, trajectories: Sequence[Trajectory], mismatch: Stats, *,
+                        step: int) -> list[torch.Tensor]:
+    """Old log-probs [n, T] per group from the current policy, at the steps some pass of this optimizer step trains
+    (`trained_steps` of every epoch; the others keep the rollout's, which nothing reads); logs how far the rollout's
+    own are from them. With 2 of 10 steps trained, each pass adds a fifth of scoring every step.
+
+    Each epoch's steps are scored as a list of their own, repeats included: every rank then runs the same number of
+    forwards (FSDP2's collectives need that), which the union of the epochs' steps would not (its size varies by
+    group)."""
     out = []
     for traj in trajectories:
-        lp = torch.zeros_like(traj.log_probs)
+        steps = [i for epoch in range(train.num_inner_epochs)
+                 for i in trained_steps(traj.num_inference_steps, train.timestep_fraction, seed=train.seed,
+                                        step=step, group=traj.group_id, epoch=epoch)]
+        lp = traj.log_probs.clone()
         for start in range(0, traj.group_size, train.micro_batch_size):
             samples = list(range(start, start + train.micro_batch_size))
-            scored = policy.score(traj, range(traj.num_inference_steps), samples,
-                                  flow_grpo_compat=train.flow_grpo_compat)
-            lp[samples] = torch.stack([o.log_prob.float().cpu() for o in scored], dim=1)  # [mb, T]
+            scored = policy.score(traj, steps, samples, flow_grpo_compat=train.flow_grpo_compat)
+            lp[samples[0]:samples[-1] + 1, steps] = torch.stack([o.log_prob.float().cpu() for o in scored], dim=1)
         mismatch.add({"rollout/logprob_mismatch_max": float((lp - traj.log_probs).abs().max())})
         out.append(lp)
     return out
