@@ -141,7 +141,12 @@ class MoTAttention(nn.Module):
             v = torch.cat([past[1].expand(v.shape[0], -1, -1, -1), v], dim=2)
         repeat = self.heads // self.kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and past is None)
+        mask = None
+        if causal and past is not None:  # text after a context: all of the context, then causal among its own
+            s_new, s_past = q.shape[2], past[0].shape[2]
+            mask = torch.ones(s_new, s_past + s_new, dtype=torch.bool, device=q.device)
+            mask[:, s_past:] = torch.tril(mask[:, s_past:])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and past is None)
         out = out.transpose(1, 2).flatten(2)  # [B, S, heads·D]
         return routing.apply(out, self.o_proj, self.o_proj_moe_gen), new
 
@@ -289,12 +294,25 @@ class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
             new_context.append(kv)
         return x, new_context
 
-    def prefill_text(self, token_ids: torch.Tensor) -> Context:
-        """The context of a prompt: token ids [S] (with BAGEL's bos/eos) through the understanding expert, causal."""
+    def prefill_text(self, token_ids: torch.Tensor, context: Context | None = None) -> Context:
+        """A context extended by text: token ids [S] (a prompt with BAGEL's bos/eos) through the understanding
+        expert, causal among themselves and seeing all of `context` (None: a fresh context), at the next S RoPE
+        positions."""
+        start = context.position if context is not None else 0
         embeds = self.language_model.model.embed_tokens(token_ids[None])  # [1, S, H]
-        positions = torch.arange(token_ids.shape[0], device=token_ids.device)
-        _, layers = self._layers(embeds, Routing.all_und(), positions, None, causal=True)
-        return Context(layers, int(token_ids.shape[0]))
+        positions = torch.arange(start, start + token_ids.shape[0], device=token_ids.device)
+        _, layers = self._layers(embeds, Routing.all_und(), positions, context, causal=True)
+        return _joined(context, layers, start + int(token_ids.shape[0]))
+
+    def extend_with_image(self, context: Context | None, latents: torch.Tensor, grid: tuple[int, int],
+                          image_tokens: tuple[int, int]) -> Context:
+        """A context extended by a clean image (an edit's input): its latent tokens [1, N, 64] at t = 0 through the
+        generation expert, as [start-of-image, tokens, end-of-image] at one RoPE position; the next position is one
+        further."""
+        start = context.position if context is not None else 0
+        _, layers = self._image_block(latents, torch.zeros(1, dtype=latents.dtype, device=latents.device),
+                                      context or Context.empty(), grid, image_tokens)
+        return _joined(context, layers, start + 1)
 
     def velocity(self, latents: torch.Tensor, t: torch.Tensor, context: Context, grid: tuple[int, int],
                  image_tokens: tuple[int, int]) -> torch.Tensor:
@@ -303,6 +321,11 @@ class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         The query sequence is [start-of-image, N latent tokens, end-of-image], all at the context's RoPE position,
         attending to the whole context and to each other (not causally). grid: the latent grid (h, w), h·w = N.
         image_tokens: the ids of BAGEL's start- and end-of-image tokens (`<|vision_start|>`, `<|vision_end|>`)."""
+        x, _ = self._image_block(latents, t, context, grid, image_tokens)
+        out = self.language_model.model.norm_moe_gen(x[:, 1:-1])
+        return self.llm2vae(out)  # [B, N, 64]
+
+    def _image_block(self, latents, t, context: Context, grid, image_tokens):
         b, n, _ = latents.shape
         h, w = grid
         if h * w != n:
@@ -318,9 +341,29 @@ class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         routing = Routing(und=torch.tensor([0, n + 1], device=x.device),
                           gen=torch.arange(1, n + 1, device=x.device))
         positions = torch.full((n + 2,), context.position, device=x.device)
-        x, _ = self._layers(x, routing, positions, context, causal=False)
-        out = self.language_model.model.norm_moe_gen(x[:, 1:n + 1])
-        return self.llm2vae(out)  # [B, N, 64]
+        return self._layers(x, routing, positions, context, causal=False)
+
+
+def _joined(context: Context | None, layers: list, position: int) -> Context:
+    """`context`'s keys and values followed by a new block's, per layer."""
+    if context is None or not context.layers:
+        return Context(layers, position)
+    return Context([(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
+                    for (k0, v0), (k1, v1) in zip(context.layers, layers, strict=True)], position)
+
+
+def patchify(latent: torch.Tensor, patch: int = 2) -> torch.Tensor:
+    """An autoencoder latent [C, h·p, w·p] → tokens [h·w, p·p·C] (row-major patches, channels last in a patch)."""
+    c, hp, wp = latent.shape
+    h, w = hp // patch, wp // patch
+    return torch.einsum("chpwq->hwpqc", latent.reshape(c, h, patch, w, patch)).reshape(h * w, patch * patch * c)
+
+
+def unpatchify(tokens: torch.Tensor, grid: tuple[int, int], patch: int = 2) -> torch.Tensor:
+    """The inverse of `patchify`: tokens [h·w, p·p·C] → latent [C, h·p, w·p]."""
+    h, w = grid
+    c = tokens.shape[-1] // (patch * patch)
+    return torch.einsum("hwpqc->chpwq", tokens.reshape(h, w, patch, patch, c)).reshape(c, h * patch, w * patch)
 
 
 def combine_cfg(v: torch.Tensor, v_text: torch.Tensor, v_img: torch.Tensor | None, *, text_scale: float,

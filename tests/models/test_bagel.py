@@ -92,15 +92,15 @@ def test_a_lora_of_the_generation_expert_moves_the_velocity_not_the_context(bage
     assert torch.equal(again, base)
 
 
-def _reference_velocity(w: dict, config: dict, prompt, latents, t, marks, grid) -> torch.Tensor:
+def _reference_velocity(w: dict, config: dict, prompt, latents, t, marks, grid, edit_image=None) -> torch.Tensor:
     """BAGEL's velocity written out as plain float64 tensor algebra from the checkpoint's tensors: one packed
-    sequence [prompt; start-of-image, latents, end-of-image] with a mask (the prompt causal, the image seeing
-    everything), rather than the model's prefill-then-query with a cache."""
+    sequence of blocks (an edit's clean image at t = 0, the prompt, the noisy image) with an attention mask (a block
+    sees every earlier block; text is causal within its block, an image is not), rather than the model's
+    block-by-block prefill with a cache."""
     llm = config["llm_config"]
     hidden, heads, kv_heads = llm["hidden_size"], llm["num_attention_heads"], llm["num_key_value_heads"]
     d, eps = hidden // heads, llm["rms_norm_eps"]
     w = {k: v.double() for k, v in w.items()}
-    p, n = prompt.shape[0], latents.shape[0]
 
     def rms(x, weight):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
@@ -109,24 +109,46 @@ def _reference_velocity(w: dict, config: dict, prompt, latents, t, marks, grid) 
         y = x @ w[f"{name}.weight"].T
         return y + w[f"{name}.bias"] if bias else y
 
-    half = 128
-    angles = t * torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half)
-    temb = linear(torch.nn.functional.silu(linear(torch.cat([angles.cos(), angles.sin()]), "time_embedder.mlp.0")),
-                  "time_embedder.mlp.2")
-    side = config["max_latent_size"]
-    pos_ids = [r * side + c for r in range(grid[0]) for c in range(grid[1])]
+    def image_block(tokens, time):
+        half = 128
+        angles = time * torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half)
+        temb = linear(torch.nn.functional.silu(linear(torch.cat([angles.cos(), angles.sin()]),
+                                                      "time_embedder.mlp.0")), "time_embedder.mlp.2")
+        side = config["max_latent_size"]
+        pos_ids = [r * side + c for r in range(grid[0]) for c in range(grid[1])]
+        image = linear(tokens.double(), "vae2llm") + temb + w["latent_pos_embed.pos_embed"][pos_ids]
+        return torch.cat([embed[marks[0]][None], image, embed[marks[1]][None]])
+
     embed = w["language_model.model.embed_tokens.weight"]
-    image = linear(latents.double(), "vae2llm") + temb + w["latent_pos_embed.pos_embed"][pos_ids]
-    x = torch.cat([embed[prompt], embed[marks[0]][None], image, embed[marks[1]][None]])  # [p + n + 2, H]
+    blocks = []  # (embeddings, is text, RoPE positions)
+    position = 0
+    if edit_image is not None:
+        blocks.append((image_block(edit_image, torch.tensor(0.0, dtype=torch.float64)), False, None))
+    for b, (x_b, is_text, _) in enumerate(blocks):
+        blocks[b] = (x_b, is_text, torch.full((x_b.shape[0],), float(position)))
+        position += 1
+    if prompt.numel():
+        blocks.append((embed[prompt], True, torch.arange(position, position + prompt.shape[0]).double()))
+        position += prompt.shape[0]
+    query = image_block(latents, t)
+    blocks.append((query, False, torch.full((query.shape[0],), float(position))))
+    x = torch.cat([b[0] for b in blocks])
+    positions = torch.cat([b[2] for b in blocks])
+    block_of = torch.cat([torch.full((b[0].shape[0],), i) for i, b in enumerate(blocks)])
+    text = torch.cat([torch.full((b[0].shape[0],), b[1]) for b in blocks])
+    index = torch.arange(x.shape[0])
+    allowed = (block_of[None, :] < block_of[:, None]) | ((block_of[None, :] == block_of[:, None])
+                                                         & (~text[:, None] | (index[None, :] <= index[:, None])))
     gen = torch.zeros(x.shape[0], dtype=torch.bool)
-    gen[p + 1:p + 1 + n] = True
-    positions = torch.cat([torch.arange(p), torch.full((n + 2,), p)]).double()
+    start = 0
+    for b_x, is_text, _ in blocks:
+        if not is_text:
+            gen[start + 1:start + b_x.shape[0] - 1] = True
+        start += b_x.shape[0]
+    n = latents.shape[0]
     inv = 1.0 / llm["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     ang = positions[:, None] * inv[None]
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    allowed = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool)
-    allowed[:p, :p] = torch.tril(torch.ones(p, p, dtype=torch.bool))
-    allowed[:p, p:] = False  # the prompt never sees the image
 
     def expert(rows, name_und, name_gen, fn):
         return torch.where(gen[:, None], fn(rows, name_gen), fn(rows, name_und))
@@ -162,7 +184,7 @@ def _reference_velocity(w: dict, config: dict, prompt, latents, t, marks, grid) 
         x = x + expert(attn, pre + "self_attn.o_proj", pre + "self_attn.o_proj_moe_gen", projection)
         h = expert(x, pre + "post_attention_layernorm", pre + "post_attention_layernorm_moe_gen", norm)
         x = x + expert(h, pre + "mlp", pre + "mlp_moe_gen", mlp)
-    out = rms(x[gen], w["language_model.model.norm_moe_gen.weight"])
+    out = rms(x[-n - 1:-1], w["language_model.model.norm_moe_gen.weight"])
     return linear(out, "llm2vae")
 
 
@@ -190,6 +212,37 @@ def test_the_empty_context_puts_the_image_at_position_zero(bagel_dir, tokens):
     expected = _reference_velocity(load_file(str(bagel_dir / "ema.safetensors")), config, no_prompt, latents[0],
                                    t[0].double(), marks, GRID)
     torch.testing.assert_close(v[0], expected, rtol=1e-10, atol=1e-10)
+
+
+def test_an_edit_context_equals_the_float64_computation(bagel_dir, tokens):
+    """An edit's context: the input image's clean latents (t = 0, generation expert, one position), then the
+    prompt after it (causal, seeing the image), then the noisy image queried at the next position."""
+    prompt, marks = tokens
+    latents, t = inputs(batch=1)
+    edit = torch.randn(16, 64, generator=torch.Generator().manual_seed(9))
+    model = BagelMoT.from_checkpoint(bagel_dir, dtype=torch.float64)
+    with torch.no_grad():
+        context = model.extend_with_image(None, edit[None].double(), GRID, marks)
+        assert context.position == 1 and context.layers[0][0].shape[2] == 18
+        context = model.prefill_text(prompt, context)
+        assert context.position == 1 + prompt.shape[0]
+        v = model.velocity(latents.double(), t.double(), context, GRID, marks)
+    config = json.loads((bagel_dir / "config.json").read_text())
+    expected = _reference_velocity(load_file(str(bagel_dir / "ema.safetensors")), config, prompt, latents[0],
+                                   t[0].double(), marks, GRID, edit_image=edit)
+    torch.testing.assert_close(v[0], expected, rtol=1e-10, atol=1e-10)
+
+
+def test_patchify_round_trip_and_layout():
+    from app.models.bagel import patchify, unpatchify
+
+    latent = torch.arange(16 * 4 * 6, dtype=torch.float32).reshape(16, 4, 6)  # C=16, a 2x3 grid of 2x2 patches
+    tokens = patchify(latent)
+    assert tokens.shape == (6, 64)
+    # token 1 is the patch at row 0, column 1; its first 16 values are the channels of pixel (0, 2)
+    assert torch.equal(tokens[1, :16], latent[:, 0, 2]) and torch.equal(tokens[1, 16:32], latent[:, 0, 3])
+    assert torch.equal(tokens[3, 32:48], latent[:, 3, 0])  # row 1, column 0: pixel (3, 0) is its third
+    assert torch.equal(unpatchify(tokens, (2, 3)), latent)
 
 
 def test_cfg_combination_hand_worked():
