@@ -314,6 +314,39 @@ class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
                                       context or Context.empty(), grid, image_tokens)
         return _joined(context, layers, start + 1)
 
+    def extend_with_vit(self, context: Context | None, image: torch.Tensor,
+                        image_tokens: tuple[int, int]) -> Context:
+        """A context extended by an edit input's ViT tokens: image [3, H, W] (normalised to [-1, 1], sides multiples
+        of the ViT patch) → SigLIP patches (NaViT: its own position ids on a `vit_max_num_patch_per_side` grid, no
+        post-norm) → connector → + the ViT position table, then [start-of-image, tokens, end-of-image] through the
+        understanding expert at one RoPE position; the next position is one further."""
+        x = self.vit_embeddings(image)
+        marks = self.language_model.model.embed_tokens(torch.tensor(image_tokens, device=image.device))
+        x = torch.cat([marks[:1], x, marks[1:]])[None]  # [1, N+2, H]
+        start = context.position if context is not None else 0
+        positions = torch.full((x.shape[1],), start, device=x.device)
+        _, layers = self._layers(x, Routing.all_und(), positions, context, causal=False)
+        return _joined(context, layers, start + 1)
+
+    def vit_embeddings(self, image: torch.Tensor) -> torch.Tensor:
+        """An image [3, H, W] in [-1, 1] as the LLM's ViT tokens [N, hidden] (see `extend_with_vit`)."""
+        if self.vit_model is None:
+            raise ValueError("this checkpoint has no ViT (vit_config): it cannot condition on an input image")
+        vision = self.vit_model["vision_model"]
+        vision = getattr(vision, "vision_model", vision)
+        patch_embed = vision.embeddings.patch_embedding
+        p = patch_embed.kernel_size[0]
+        c, height, width = image.shape
+        h, w = height // p, width // p
+        patches = torch.einsum("chpwq->hwcpq", image.reshape(c, h, p, w, p)).reshape(h * w, c * p * p)
+        side = self.config.vit_max_num_patch_per_side
+        pos_ids = (torch.arange(h, device=image.device)[:, None] * side
+                   + torch.arange(w, device=image.device)[None, :]).flatten()
+        x = F.linear(patches.to(patch_embed.weight.dtype), patch_embed.weight.flatten(1), patch_embed.bias)
+        x = x + vision.embeddings.position_embedding(pos_ids)
+        x = vision.encoder(inputs_embeds=x[None]).last_hidden_state[0]  # one image: full attention
+        return self.connector(x) + self.vit_pos_embed.pos_embed[pos_ids]
+
     def velocity(self, latents: torch.Tensor, t: torch.Tensor, context: Context, grid: tuple[int, int],
                  image_tokens: tuple[int, int]) -> torch.Tensor:
         """v for noisy latent tokens [B, N, 64] at times t [B] (raw, σ in [0, 1]) given a context.

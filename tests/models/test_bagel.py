@@ -356,3 +356,47 @@ def test_each_sample_starts_from_its_own_noise_whatever_the_group(bagel_dir, tok
                                    image_tokens=marks, sigmas=schedule(6, 3.0), noise_level=0.8)
     torch.testing.assert_close(one[0], latents[1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(one_lp[0], log_probs[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # vllm-omni's import
+def test_vit_tokens_equal_vllm_omni_navit_and_the_block_runs_through_the_understanding_expert(bagel_dir, tokens):
+    """An edit input's ViT tokens: ours (patches through SigLIP's patch projection, its encoder, the connector and
+    the position table) against vllm-omni's own NaViT wrapper on the same weights; then the ViT block in a context:
+    one RoPE position, N + 2 keys, and a generation-expert LoRA never touches it."""
+    from peft import LoraConfig
+    from vllm_omni.diffusion.models.bagel.bagel_transformer import patchify as vllm_patchify
+    from vllm_omni.diffusion.models.bagel.pipeline_bagel import SiglipNaViTWrapper
+
+    prompt, marks = tokens
+    model = BagelMoT.from_checkpoint(bagel_dir)
+    image = torch.rand(3, 42, 56, generator=torch.Generator().manual_seed(4)) * 2 - 1  # a 3x4 grid of 14 px patches
+    side = model.config.vit_max_num_patch_per_side
+    pos_ids = (torch.arange(3)[:, None] * side + torch.arange(4)[None, :]).flatten()
+    with torch.no_grad():
+        ours = model.vit_embeddings(image)
+        wrapper = SiglipNaViTWrapper(model.vit_model["vision_model"])
+        theirs = wrapper(vllm_patchify(image, 14), pos_ids, torch.tensor([0, 12], dtype=torch.int32), 12)
+        theirs = model.connector(theirs) + model.vit_pos_embed.pos_embed[pos_ids]
+    assert ours.shape == (12, model.config.hidden_size)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+    latent = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        context = model.extend_with_vit(model.extend_with_image(None, latent, GRID, marks), image, marks)
+        assert context.position == 2 and context.layers[0][0].shape[2] == (16 + 2) + (12 + 2)
+        context = model.prefill_text(prompt, context)
+    assert context.position == 2 + prompt.shape[0]
+    torch.manual_seed(3)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=GENERATION_TARGETS, init_lora_weights=False))
+    with torch.no_grad():
+        image_block = model.extend_with_image(None, latent, GRID, marks)
+        tuned = model.prefill_text(prompt, model.extend_with_vit(image_block, image, marks))
+    # the VAE block runs the generation expert (moved by the LoRA); the ViT and text keys after it move only
+    # through attending to it, so compare the ViT block alone on an unchanged prefix
+    with torch.no_grad():
+        vit_alone = model.extend_with_vit(None, image, marks)
+        model.disable_adapters()
+        vit_base = model.extend_with_vit(None, image, marks)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(vit_alone.layers, vit_base.layers, strict=True))
+    assert any(not torch.equal(a[0][:, :, :18], b[0][:, :, :18])
+               for a, b in zip(tuned.layers, context.layers, strict=True))
