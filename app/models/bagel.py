@@ -339,9 +339,7 @@ class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         c, height, width = image.shape
         h, w = height // p, width // p
         patches = torch.einsum("chpwq->hwcpq", image.reshape(c, h, p, w, p)).reshape(h * w, c * p * p)
-        side = self.config.vit_max_num_patch_per_side
-        pos_ids = (torch.arange(h, device=image.device)[:, None] * side
-                   + torch.arange(w, device=image.device)[None, :]).flatten()
+        pos_ids = grid_position_ids(h, w, self.config.vit_max_num_patch_per_side, image.device)
         x = F.linear(patches.to(patch_embed.weight.dtype), patch_embed.weight.flatten(1), patch_embed.bias)
         x = x + vision.embeddings.position_embedding(pos_ids)
         x = vision.encoder(inputs_embeds=x[None]).last_hidden_state[0]  # one image: full attention
@@ -365,9 +363,7 @@ class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
             raise ValueError(f"latent grid {h}x{w} does not hold {n} tokens")
         embed = self.language_model.model.embed_tokens
         marks = embed(torch.tensor(image_tokens, device=latents.device))  # [2, H]
-        side = self.config.max_latent_size
-        pos_ids = (torch.arange(h, device=latents.device)[:, None] * side
-                   + torch.arange(w, device=latents.device)[None, :]).flatten()
+        pos_ids = grid_position_ids(h, w, self.config.max_latent_size, latents.device)
         tokens = (self.vae2llm(latents.to(self.vae2llm.weight.dtype)) + self.time_embedder(t)[:, None]
                   + self.latent_pos_embed.pos_embed[pos_ids][None])
         x = torch.cat([marks[0].expand(b, 1, -1), tokens, marks[1].expand(b, 1, -1)], dim=1)  # [B, N+2, H]
@@ -375,6 +371,12 @@ class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
                           gen=torch.arange(1, n + 1, device=x.device))
         positions = torch.full((n + 2,), context.position, device=x.device)
         return self._layers(x, routing, positions, context, causal=False)
+
+
+def grid_position_ids(h: int, w: int, side: int, device=None) -> torch.Tensor:
+    """Row-major ids [h·w] of an h×w token grid in a position table laid out for side×side (BAGEL's latent and
+    ViT tables): a smaller image uses the table's top-left corner."""
+    return (torch.arange(h, device=device)[:, None] * side + torch.arange(w, device=device)[None, :]).flatten()
 
 
 def _joined(context: Context | None, layers: list, position: int) -> Context:
