@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 # Enumerated choices: OmegaConf refuses any other value and names the key; members compare equal to their strings.
 class ModelFamily(StrEnum):
-    qwen_image = "qwen_image"
+    qwen_image = "qwen_image"  # a diffusers Qwen-Image checkpoint (model_index.json)
+    bagel = "bagel"  # a BAGEL-7B-MoT checkpoint (config.json, llm_config.json, ema.safetensors, ae.safetensors)
 
 
 class DType(StrEnum):
@@ -37,10 +38,23 @@ class DType(StrEnum):
 
 
 class Engine(StrEnum):
-    """What a rollout replica runs: vllm-omni, or the reference engine of the family (where vllm is not installed)."""
+    """What a rollout replica runs: vllm-omni, or the family's reference engine (where vllm is not installed)."""
 
     vllm_omni = "vllm_omni"
-    diffusers = "diffusers"
+    diffusers = "diffusers"  # Qwen-Image on plain diffusers components
+    bagel = "bagel"  # BAGEL in pure torch (app/models/bagel.py), the model the trainer differentiates
+
+
+# the engines each family runs on, and the LoRA targets of its trained modules
+FAMILY_ENGINES = {ModelFamily.qwen_image: (Engine.vllm_omni, Engine.diffusers),
+                  ModelFamily.bagel: (Engine.vllm_omni, Engine.bagel)}
+FAMILY_LORA_TARGETS = {
+    ModelFamily.qwen_image: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                             "to_add_out"],
+    # the generation expert of every layer (app/models/bagel.py GENERATION_TARGETS)
+    ModelFamily.bagel: ["q_proj_moe_gen", "k_proj_moe_gen", "v_proj_moe_gen", "o_proj_moe_gen",
+                        "mlp_moe_gen.gate_proj", "mlp_moe_gen.up_proj", "mlp_moe_gen.down_proj"],
+}
 
 
 class SdeType(StrEnum):
@@ -53,6 +67,14 @@ class SdeType(StrEnum):
 class AdvStdMode(StrEnum):
     group = "group"  # GRPO: each prompt group's own std
     batch = "batch"  # FlowGRPO global_std: the std of the whole step's rewards
+
+
+class CfgRenorm(StrEnum):
+    """BAGEL's renormalisation of the guided velocity (app/models/bagel.py combine_cfg)."""
+
+    global_ = "global"
+    channel = "channel"
+    text_channel = "text_channel"
 
 
 class OldLogprob(StrEnum):
@@ -75,7 +97,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     # model family adapter in app/models/ (how prompts are encoded and latents packed)
     family: ModelFamily = ModelFamily.qwen_image
-    # diffusers-layout checkpoint folder (model_index.json at its root)
+    # checkpoint folder: diffusers layout for qwen_image (model_index.json), BAGEL-7B-MoT layout for bagel
     path: str = MISSING
     # build a deterministic tiny random checkpoint at `path` when it is absent (tests, CPU demo); never downloads
     build_tiny: bool = False
@@ -83,12 +105,15 @@ class ModelConfig:
     tiny_seed: int = 0
     # compute dtype of the transformer for rollout and training; the SDE math is fp32 regardless
     dtype: DType = DType.bfloat16
-    # LoRA of the transformer trained by FlowGRPO
+    # LoRA of the transformer trained by FlowGRPO; no target modules: the family's (FAMILY_LORA_TARGETS)
     lora_rank: int = 32
     lora_alpha: int = 64
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
-                                 "to_add_out"])
+    lora_target_modules: list[str] | None = None
+
+    @property
+    def lora_targets(self) -> list[str]:
+        """The LoRA's target modules: `lora_target_modules`, or the family's."""
+        return list(self.lora_target_modules or FAMILY_LORA_TARGETS[ModelFamily(self.family)])
 
 
 @dataclass
@@ -99,9 +124,17 @@ class RolloutConfig:
     width: int = 512
     # denoising steps of a rollout (T), as diffusers and vllm-omni name them
     num_inference_steps: int = 10
-    # true CFG scale (Qwen-Image `true_cfg_scale`); 1.0 disables CFG and the negative prompt
+    # text CFG scale (Qwen-Image `true_cfg_scale`, BAGEL `cfg_text_scale`); 1.0 disables CFG and the negative
+    # prompt. BAGEL: "" conditions the unguided branch on the empty context (upstream's default)
     guidance_scale: float = 1.0
     negative_prompt: str = " "
+    # BAGEL only: image CFG of an edit (`cfg_img_scale`), the σ interval (lo, hi] where CFG applies, the
+    # renormalisation of the guided velocity and its lower clamp, the schedule's shift
+    image_guidance_scale: float = 1.0
+    cfg_interval: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    cfg_renorm: CfgRenorm = CfgRenorm.global_
+    cfg_renorm_min: float = 0.0
+    timestep_shift: float = 3.0
     # η: SDE noise level of the sampler; 0 is the deterministic ODE (nothing to train on)
     noise_level: float = 0.7
     # "sde" (FlowGRPO) or "cps" (coefficient-preserving sampling)
@@ -133,7 +166,11 @@ class RolloutConfig:
             num_inference_steps=fields.pop("num_inference_steps", self.num_inference_steps),
             guidance_scale=guidance, negative_prompt=negative if guidance > 1 else None,
             noise_level=fields.pop("noise_level", self.noise_level), sde_type=fields.pop("sde_type", self.sde_type),
-            **fields)
+            image_guidance_scale=fields.pop("image_guidance_scale", self.image_guidance_scale),
+            cfg_interval=tuple(fields.pop("cfg_interval", self.cfg_interval)),
+            cfg_renorm=str(fields.pop("cfg_renorm", self.cfg_renorm)),
+            cfg_renorm_min=fields.pop("cfg_renorm_min", self.cfg_renorm_min),
+            timestep_shift=fields.pop("timestep_shift", self.timestep_shift), **fields)
 
 
 @dataclass
@@ -281,6 +318,17 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     """The sections a Serve application is built from (a RunConfig has them too)."""
     model, rollout, reward, serve = config.model, config.rollout, config.reward, config.serve
     _require(model.lora_rank >= 1, f"model.lora_rank={model.lora_rank} must be >= 1")
+    engines = FAMILY_ENGINES[model.family]
+    _require(rollout.engine in engines,
+             f"rollout.engine={rollout.engine} cannot run model.family={model.family}: use one of "
+             f"{[str(e) for e in engines]}")
+    lo_hi = rollout.cfg_interval
+    _require(len(lo_hi) == 2 and 0 <= lo_hi[0] < lo_hi[1] <= 1,
+             f"rollout.cfg_interval={list(lo_hi)} must be [lo, hi] with 0 <= lo < hi <= 1")
+    _require(rollout.image_guidance_scale >= 1,
+             f"rollout.image_guidance_scale={rollout.image_guidance_scale} must be >= 1 (1 disables image CFG)")
+    _require(0 <= rollout.cfg_renorm_min <= 1, f"rollout.cfg_renorm_min={rollout.cfg_renorm_min} must be in [0, 1]")
+    _require(rollout.timestep_shift > 0, f"rollout.timestep_shift={rollout.timestep_shift} must be > 0")
     for name in ("height", "width"):
         value = getattr(rollout, name)
         problem = side_problem(value)

@@ -55,11 +55,48 @@ def forward_flops(model: MMDiT, image_tokens: int, text_tokens: int) -> float:
     return model.num_layers * per_block + embed + head
 
 
+@dataclass(frozen=True)
+class MoT:
+    """The sizes the FLOP count needs of BAGEL's LLM (a Mixture of Transformers; one expert runs per token)."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    latent_channels: int = 64  # a latent token: a 2x2 patch of 16 channels
+
+    @classmethod
+    def from_config(cls, config) -> MoT:
+        """From `BagelMoT.config`."""
+        get = config.get if hasattr(config, "get") else (lambda k, d=None: getattr(config, k, d))
+        patch = get("latent_patch_size", 2)
+        return cls(num_layers=get("num_hidden_layers"), hidden=get("hidden_size"),
+                   intermediate=get("intermediate_size"), heads=get("num_attention_heads"),
+                   kv_heads=get("num_key_value_heads"), latent_channels=patch * patch * get("latent_channels", 16))
+
+
+def mot_forward_flops(model: MoT, image_tokens: int, context_tokens: int) -> float:
+    """One denoising forward of one image (one CFG branch): its latent tokens (+ start/end of image) through the
+    generation expert, attending to a context of `context_tokens` (built once per group: not counted)."""
+    d, tokens = model.hidden, image_tokens + 2
+    kv = d * model.kv_heads // model.heads
+    per_layer = (
+        2 * tokens * d * (d + 2 * kv)  # q, k, v
+        + 2 * 2 * tokens * (context_tokens + tokens) * d  # QKᵀ and attention·V over context + image
+        + 2 * tokens * d * d  # output projection
+        + 2 * 3 * tokens * d * model.intermediate  # gate, up, down
+    )
+    embed = 2 * 2 * image_tokens * model.latent_channels * d + 2 * (TIMESTEP_CHANNELS * d + d * d)
+    return model.num_layers * per_layer + embed
+
+
 def step_flops(forward: float, *, images: int, num_inference_steps: int, trained_steps: int, cfg: bool,
-               kl: bool) -> dict[str, float]:
+               kl: bool, branches: int | None = None) -> dict[str, float]:
     """Useful FLOPs of one step that samples `images` images of `num_inference_steps` steps and trains
-    `trained_steps` of each; `forward` = `forward_flops` of one image."""
-    branches = 2 if cfg else 1
+    `trained_steps` of each; `forward` = `forward_flops` of one image; `branches`: forwards per step (default 2
+    with CFG, else 1; BAGEL's image CFG makes 3)."""
+    branches = branches or (2 if cfg else 1)
     rollout = images * num_inference_steps * branches * forward
     train = images * trained_steps * branches * forward * 2  # forward + input-gradient backward
     reference = images * trained_steps * branches * forward if kl else 0.0

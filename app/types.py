@@ -4,6 +4,11 @@
 any engine sees it. `Trajectory` is what comes back: the images and everything the trainer needs to score the
 same steps again (latents visited, schedule, log-probs, the prompt embeddings actually used), so nothing is
 recomputed by guessing. `LoraAdapter` is a LoRA of the transformer in peft/diffusers naming, in memory.
+
+Two model families share the records (`Trajectory.family`). Qwen-Image conditions on text-encoder states
+(`prompt_embeds`); BAGEL conditions on a context its own LLM builds from token ids and, for an edit, the input
+image, so its trajectories carry those inputs (`conditioning`) and the trainer rebuilds the context under the
+current LoRA.
 """
 
 from __future__ import annotations
@@ -17,8 +22,12 @@ import torch
 from app.algo.sde import SDE_TYPES
 from app.image_size import side_problem
 
+FAMILIES = ("qwen_image", "bagel")  # app.config.ModelFamily's values
+
 MAX_GROUP_SIZE = 256
 MAX_SEED = 2**63 - 1
+MAX_EDIT_PIXELS = 4096 * 4096
+CFG_RENORMS = ("global", "channel", "text_channel")
 
 
 def _fail(name: str, value, why: str) -> None:
@@ -41,9 +50,19 @@ class GenerationRequest:
     sde_type: str
     # images in the group (the GRPO group size)
     n: int = 1
-    # Qwen-Image true CFG; > 1 needs a negative prompt
+    # text CFG (Qwen-Image true CFG, BAGEL cfg_text_scale); > 1 needs a negative prompt (BAGEL: "" = the empty
+    # context, its default)
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
+    # the image to edit, uint8 [H, W, 3]; None: text to image (BAGEL only)
+    image: torch.Tensor | None = None
+    # BAGEL's other sampling settings (Qwen-Image ignores them): image CFG of an edit (cfg_img_scale), the σ
+    # interval (lo, hi] where CFG applies, the renormalisation of the guided velocity, the schedule's shift
+    image_guidance_scale: float = 1.0
+    cfg_interval: tuple[float, float] = (0.0, 1.0)
+    cfg_renorm: str = "global"
+    cfg_renorm_min: float = 0.0
+    timestep_shift: float = 3.0
     # seeds the whole group (initial noise and every SDE step); None: the engine draws one and records it
     seed: int | None = None
     # index of the group's first image: a per-sample request for image j of a group sets n=1, sample_offset=j
@@ -86,13 +105,42 @@ class GenerationRequest:
         if self.lora_version is not None and (not isinstance(self.lora_version, int)
                                               or isinstance(self.lora_version, bool) or self.lora_version < 0):
             _fail("lora_version", self.lora_version, "must be an integer >= 0 (0: the base model) or None")
+        if self.image is not None:
+            image = self.image
+            if (not isinstance(image, torch.Tensor) or image.dtype != torch.uint8 or image.ndim != 3
+                    or image.shape[2] != 3):
+                _fail("image", _describe(image), "must be a uint8 tensor [H, W, 3] (RGB)")
+            if min(image.shape[:2]) < 16 or image.shape[0] * image.shape[1] > MAX_EDIT_PIXELS:
+                _fail("image", _describe(image), "must be at least 16x16 and at most 4096x4096 pixels")
+        if not _is_real(self.image_guidance_scale) or self.image_guidance_scale < 1:
+            _fail("image_guidance_scale", self.image_guidance_scale, "must be a number >= 1 (1 disables image CFG)")
+        lo_hi = self.cfg_interval
+        if (not isinstance(lo_hi, (tuple, list)) or len(lo_hi) != 2 or not all(_is_real(v) for v in lo_hi)
+                or not 0 <= lo_hi[0] < lo_hi[1] <= 1):
+            _fail("cfg_interval", lo_hi, "must be (lo, hi) with 0 <= lo < hi <= 1: CFG applies where lo < σ <= hi")
+        if self.cfg_renorm not in CFG_RENORMS:
+            _fail("cfg_renorm", self.cfg_renorm, f"must be one of {CFG_RENORMS}")
+        if not _is_real(self.cfg_renorm_min) or not 0 <= self.cfg_renorm_min <= 1:
+            _fail("cfg_renorm_min", self.cfg_renorm_min, "must be a number in [0, 1]")
+        if not _is_real(self.timestep_shift) or self.timestep_shift <= 0:
+            _fail("timestep_shift", self.timestep_shift, "must be a number > 0")
 
     @property
     def do_cfg(self) -> bool:
         return self.guidance_scale > 1
 
+    @property
+    def is_edit(self) -> bool:
+        return self.image is not None
+
     def replace(self, **changes) -> GenerationRequest:
         return dataclasses.replace(self, **changes)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return type(value).__name__
 
 
 def _is_real(x) -> bool:
@@ -108,19 +156,30 @@ class Trajectory:
     images: torch.Tensor  # uint8 [n, H, W, 3]
     latents: torch.Tensor  # fp32 [n, T+1, L, C]: x at sigmas[0..T] (packed layout of the family)
     log_probs: torch.Tensor  # fp32 [n, T]: log-prob of each taken step under the rollout policy
-    timesteps: torch.Tensor  # fp32 [T]: the model's timestep input ×1000 (sigma·1000 after shifting)
+    # fp32 [T]: the model's timestep input at each step (Qwen-Image: σ·1000 after shifting; BAGEL: σ itself)
+    timesteps: torch.Tensor
     sigmas: torch.Tensor  # fp32 [T+1]: noise levels visited, sigmas[T] = 0
-    prompt_embeds: torch.Tensor  # [S, D] text-encoder states the transformer saw (shared by the group)
-    prompt_mask: torch.Tensor  # int64 [S]
     noise_level: float
     sde_type: str
     seed: int
     lora_version: int
     height: int
     width: int
+    family: str = "qwen_image"
     guidance_scale: float = 1.0
-    negative_prompt_embeds: torch.Tensor | None = None  # [S', D] when CFG is on
-    negative_prompt_mask: torch.Tensor | None = None  # int64 [S']
+    # Qwen-Image: the text-encoder states the transformer saw (shared by the group), [S, D] and int64 [S]; the
+    # negative prompt's when CFG is on
+    prompt_embeds: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    negative_prompt_mask: torch.Tensor | None = None
+    # BAGEL: what the context is rebuilt from (app/models/bagel_context.py: token ids, an edit's encoded image)
+    conditioning: dict[str, torch.Tensor] = field(default_factory=dict)
+    # BAGEL's guidance settings as sampled (GenerationRequest's)
+    image_guidance_scale: float = 1.0
+    cfg_interval: tuple[float, float] = (0.0, 1.0)
+    cfg_renorm: str = "global"
+    cfg_renorm_min: float = 0.0
     sample_offset: int = 0
     # who produced it (engine kind, replica): staleness and load balancing are measured, not assumed
     producer: dict = field(default_factory=dict)
@@ -135,11 +194,20 @@ class Trajectory:
             (self.log_probs.shape == (n, steps), f"log_probs {tuple(self.log_probs.shape)} must be [{n}, {steps}]"),
             (self.timesteps.shape == (steps,), f"timesteps {tuple(self.timesteps.shape)} must be [{steps}]"),
             (self.sigmas.shape == (t1,), f"sigmas {tuple(self.sigmas.shape)} must be [{t1}]"),
-            (self.prompt_embeds.ndim == 2 and self.prompt_mask.shape == self.prompt_embeds.shape[:1],
-             "prompt_embeds must be [S, D] with prompt_mask [S]"),
-            ((self.negative_prompt_embeds is None) == (self.guidance_scale <= 1),
-             "negative_prompt_embeds must be present exactly when guidance_scale > 1"),
+            (self.family in FAMILIES, f"family {self.family!r} must be one of {FAMILIES}"),
         ]
+        if self.family == "qwen_image":
+            checks += [
+                (self.prompt_embeds is not None and self.prompt_embeds.ndim == 2 and self.prompt_mask is not None
+                 and self.prompt_mask.shape == self.prompt_embeds.shape[:1],
+                 "prompt_embeds must be [S, D] with prompt_mask [S]"),
+                ((self.negative_prompt_embeds is None) == (self.guidance_scale <= 1),
+                 "negative_prompt_embeds must be present exactly when guidance_scale > 1"),
+            ]
+        else:
+            ids = self.conditioning.get("prompt_ids")
+            checks.append((ids is not None and ids.ndim == 1 and not ids.is_floating_point(),
+                           "a BAGEL trajectory's conditioning must hold prompt_ids [S] (token ids)"))
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"inconsistent Trajectory: {message}")
@@ -147,19 +215,23 @@ class Trajectory:
     @classmethod
     def sampled(cls, request: GenerationRequest, *, seed: int, lora_version: int, images: torch.Tensor,
                 latents: torch.Tensor, log_probs: torch.Tensor, timesteps: torch.Tensor, sigmas: torch.Tensor,
-                prompt_embeds: torch.Tensor, prompt_mask: torch.Tensor,
-                negative_prompt_embeds: torch.Tensor | None = None, negative_prompt_mask: torch.Tensor | None = None,
+                family: str = "qwen_image", prompt_embeds: torch.Tensor | None = None,
+                prompt_mask: torch.Tensor | None = None, negative_prompt_embeds: torch.Tensor | None = None,
+                negative_prompt_mask: torch.Tensor | None = None, conditioning: dict[str, torch.Tensor] | None = None,
                 producer: dict | None = None) -> Trajectory:
         """The record of `request` as an engine sampled it: what the request fixed is copied from it, the rest is
         what the engine produced (every engine builds its trajectories here)."""
         return cls(prompt=request.prompt, group_id=request.group_id, images=images, latents=latents,
-                   log_probs=log_probs, timesteps=timesteps, sigmas=sigmas, prompt_embeds=prompt_embeds,
-                   prompt_mask=prompt_mask, noise_level=request.noise_level, sde_type=request.sde_type, seed=seed,
-                   lora_version=lora_version, height=request.height, width=request.width,
-                   guidance_scale=request.guidance_scale,
+                   log_probs=log_probs, timesteps=timesteps, sigmas=sigmas, family=family,
+                   prompt_embeds=prompt_embeds, prompt_mask=prompt_mask, noise_level=request.noise_level,
+                   sde_type=request.sde_type, seed=seed, lora_version=lora_version, height=request.height,
+                   width=request.width, guidance_scale=request.guidance_scale,
                    negative_prompt_embeds=negative_prompt_embeds if request.do_cfg else None,
                    negative_prompt_mask=negative_prompt_mask if request.do_cfg else None,
-                   sample_offset=request.sample_offset, producer=dict(producer or {}))
+                   conditioning=dict(conditioning or {}), image_guidance_scale=request.image_guidance_scale,
+                   cfg_interval=tuple(request.cfg_interval), cfg_renorm=request.cfg_renorm,
+                   cfg_renorm_min=request.cfg_renorm_min, sample_offset=request.sample_offset,
+                   producer=dict(producer or {}))
 
     @property
     def group_size(self) -> int:
@@ -174,9 +246,11 @@ class Trajectory:
         return self.guidance_scale > 1
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensor fields by name (for transport as safetensors)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)}
+        """The tensor fields by name, `conditioning`'s as `conditioning.<name>` (for transport as safetensors)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if isinstance(getattr(self, f.name), torch.Tensor)}
+        out.update({f"conditioning.{k}": v for k, v in self.conditioning.items()})
+        return out
 
 
 @dataclass

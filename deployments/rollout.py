@@ -23,6 +23,10 @@ def make_engine(model: ModelConfig, rollout: RolloutConfig):
         from app.rollout.diffusers_engine import DiffusersEngine
 
         return DiffusersEngine(model.path, dtype=model.dtype)
+    if rollout.engine == Engine.bagel:
+        from app.rollout.bagel_engine import BagelEngine
+
+        return BagelEngine(model.path, dtype=model.dtype)
     raise ValueError(f"rollout.engine={rollout.engine!r} is not one of {[e.value for e in Engine]}")
 
 

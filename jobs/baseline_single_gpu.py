@@ -37,7 +37,7 @@ def run(config, steps: int) -> dict:
     engine.load()
     # the engine samples with the module the policy trains: the LoRA is live in both
     policy = Policy.with_lora(engine.pipe.transformer, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
-                              target_modules=model.lora_target_modules, seed=train.seed,
+                              target_modules=model.lora_targets, seed=train.seed,
                               gradient_checkpointing=train.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
     reward = build_reward(config.reward.weights, {"ocr": {"detect_min_side": config.reward.ocr_detect_min_side}})

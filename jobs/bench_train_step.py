@@ -91,7 +91,7 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     model, rollout, train = config.model, config.rollout, config.train
     policy = Policy.from_pretrained(model.path, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
-                                    target_modules=model.lora_target_modules, dtype=getattr(torch, model.dtype),
+                                    target_modules=model.lora_targets, dtype=getattr(torch, model.dtype),
                                     device=device, seed=train.seed, shard=True,
                                     gradient_checkpointing=train.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
@@ -142,7 +142,7 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
         "bench": "train_step", "device": torch.cuda.get_device_name() if cuda else "cpu",
         "layers": shape.num_layers, "size": f"{rollout.width}x{rollout.height}", "images": images,
         "trained_steps": trained, "cfg": rollout.guidance_scale, "kl_beta": train.kl_beta,
-        "lora_rank": model.lora_rank, "lora_targets": len(model.lora_target_modules),
+        "lora_rank": model.lora_rank, "lora_targets": len(model.lora_targets),
         "micro_batch_size": train.micro_batch_size, "gradient_checkpointing": train.gradient_checkpointing,
         "pass_s": round(seconds, 3), "ms_per_image_step": round(1000 * seconds / (images * trained), 1),
         "useful_tflops": round(useful / seconds / 1e12, 1), "mfu": round(mfu(useful, seconds, 1), 4) if cuda else None,

@@ -38,9 +38,11 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     """The run config and run folder, or a ConfigError saying what to change. Starts nothing."""
     config = load(args.config, args.overrides)
     model = Path(config.model.path).expanduser()
-    if not config.model.build_tiny and not (model / "model_index.json").is_file():
-        raise ConfigError(f"model.path={config.model.path!r} is not a diffusers checkpoint folder (no "
-                          "model_index.json): point it at one, or set model.build_tiny=true for the tiny CPU model")
+    from app.models.checkpoints import checkpoint_problem
+
+    if not config.model.build_tiny and (problem := checkpoint_problem(config.model.family, model)):
+        raise ConfigError(f"model.path={config.model.path!r} {problem}: point it at a model.family="
+                          f"{config.model.family} checkpoint, or set model.build_tiny=true for the tiny CPU model")
     from app.train.prompts import load_prompts
 
     try:
@@ -131,7 +133,7 @@ def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None,
     tiny = " (tiny, built locally)" if model.build_tiny else ""
     backend = "GPU, nccl" if cluster.use_gpu else "CPU, gloo"
     return "\n".join([
-        f"ray-flowgrpo: FlowGRPO LoRA training of {model.path}{tiny}",
+        f"ray-flowgrpo: FlowGRPO LoRA training of {model.family} {model.path}{tiny}",
         f"  run folder:  {run_dir}{' (resuming)' if resume else ''}",
         f"  cluster:     {cluster.address or 'local Ray cluster'}"
         + (f", dashboard http://{dashboard_url}" if dashboard_url else ""),
@@ -144,7 +146,11 @@ def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None,
     ])
 
 
-def summarize(run_dir: Path, result, dashboard_url: str | None) -> None:
+ADAPTER_LOADERS = {"qwen_image": "QwenImagePipeline.load_lora_weights(...) loads it",
+                   "bagel": "a peft adapter folder of BAGEL's module names"}
+
+
+def summarize(run_dir: Path, result, dashboard_url: str | None, family: str = "qwen_image") -> None:
     from app.metrics import plot_reward_curve, read_history
 
     history = read_history(run_dir)
@@ -162,7 +168,7 @@ def summarize(run_dir: Path, result, dashboard_url: str | None) -> None:
     if result is not None and result.checkpoint is not None:
         adapter = Path(result.checkpoint.path) / "adapter"
         lines += [f"checkpoint:    {result.checkpoint.path}",
-                  f"LoRA adapter:  {adapter} (QwenImagePipeline.load_lora_weights(...) loads it)"]
+                  f"LoRA adapter:  {adapter} ({ADAPTER_LOADERS[family]})"]
     if dashboard_url:
         lines.append(f"Ray dashboard: http://{dashboard_url} (Metrics: ray_flowgrpo_*)")
     print("\n".join(lines), flush=True)
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep_serving:
             serve.delete(APP_NAME)
-    summarize(run_dir, result, getattr(context, "dashboard_url", None))
+    summarize(run_dir, result, getattr(context, "dashboard_url", None), config.model.family)
     return 0
 
 

@@ -110,6 +110,13 @@ def diffusers_engine(tiny_model_dir, aio):
 
 
 @pytest.fixture(scope="session")
+def bagel_engine(tiny_bagel_dir, aio):
+    from app.rollout.bagel_engine import BagelEngine
+
+    yield from _started(BagelEngine(tiny_bagel_dir), aio)
+
+
+@pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """One local Ray cluster for the session (logical CPUs above the 2 real ones: replicas ask for fractions)."""
     import ray

@@ -59,7 +59,9 @@ def test_gpu_config_needs_its_paths():
     ("train.groups_per_step=3", "divisible by cluster.num_workers"),
     ("train.micro_batch_size=3", "micro_batch_size"),
     ("rollout.noise_level=0", "noise_level"),
-    ("rollout.engine=vllm", "'rollout.engine': Invalid value 'vllm', expected one of \\[vllm_omni, diffusers\\]"),
+    ("rollout.engine=vllm",
+     "'rollout.engine': Invalid value 'vllm', expected one of \\[vllm_omni, diffusers, bagel\\]"),
+    ("rollout.engine=bagel", "rollout.engine=bagel cannot run model.family=qwen_image"),
     ("reward.ocr_detect_min_side=16", "reward.ocr_detect_min_side=16 must be >= 32"),
 ])
 def test_cross_field_checks_say_what_to_change(override, match):

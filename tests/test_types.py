@@ -80,3 +80,33 @@ def test_a_packed_adapter_unpacks_to_the_same_tensors():
         assert torch.equal(tensor, tensors[name].to(torch.bfloat16))
     back.tensors[next(iter(tensors))].add_(1)  # the unpacked tensors are its own, not views of the buffer
     assert torch.equal(packed.unpack().tensors[next(iter(tensors))], tensors[next(iter(tensors))])
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("image", torch.zeros(32, 32, 3), "uint8"),
+    ("image", torch.zeros(32, 32, dtype=torch.uint8), "uint8"),
+    ("image", torch.zeros(8, 32, 3, dtype=torch.uint8), "at least 16x16"),
+    ("image_guidance_scale", 0.5, ">= 1"),
+    ("cfg_interval", (0.5, 0.4), "lo < hi"),
+    ("cfg_interval", (0.0, 1.5), "lo < hi"),
+    ("cfg_renorm", "per_pixel", "one of"),
+    ("cfg_renorm_min", 2.0, "in \\[0, 1\\]"),
+    ("timestep_shift", 0.0, "> 0"),
+])
+def test_invalid_bagel_settings_name_the_field(field, value, why):
+    with pytest.raises(ValueError, match=f"^{field}=.*{why}"):
+        GenerationRequest("a cat", **SAMPLING, **{field: value})
+
+
+def test_an_edit_request_and_a_bagel_trajectory():
+    image = torch.zeros(40, 24, 3, dtype=torch.uint8)
+    assert GenerationRequest("make it blue", **SAMPLING, image=image).is_edit
+    assert GenerationRequest("a cat", guidance_scale=4.0, negative_prompt="", **SAMPLING).do_cfg  # "" is allowed
+    ids = torch.tensor([1, 2, 3])
+    bagel = _traj(family="bagel", prompt_embeds=None, prompt_mask=None, conditioning={"prompt_ids": ids},
+                  guidance_scale=4.0)
+    assert "conditioning.prompt_ids" in bagel.tensors() and "prompt_embeds" not in bagel.tensors()
+    with pytest.raises(ValueError, match="prompt_ids"):
+        _traj(family="bagel", conditioning={})
+    with pytest.raises(ValueError, match="family"):
+        _traj(family="flux")

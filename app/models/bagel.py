@@ -231,7 +231,7 @@ class Context:
 class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
     """BAGEL's LLM with its generation-side parts (and the ViT connector for edits), upstream names."""
 
-    _supports_gradient_checkpointing = False
+    _supports_gradient_checkpointing = True
 
     @register_to_config
     def __init__(self, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
@@ -240,6 +240,7 @@ class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
                  latent_channels: int = 16, vae_downsample: int = 8, timestep_frequencies: int = 256,
                  vit_config: dict | None = None, vit_max_num_patch_per_side: int = 70):
         super().__init__()
+        self.gradient_checkpointing = False  # diffusers' enable_gradient_checkpointing() sets it
         self.language_model = _LanguageModel(vocab_size, hidden_size, intermediate=intermediate_size,
                                              layers=num_hidden_layers, heads=num_attention_heads,
                                              kv_heads=num_key_value_heads, eps=rms_norm_eps)
@@ -277,6 +278,13 @@ class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
                         vit_max_num_patch_per_side=config["vit_max_num_patch_per_side"])
         state = load_file(str(path / "ema.safetensors"), device=str(device))
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+        for owner_name, owner in model.named_modules():  # buffers no checkpoint holds: SigLIP's position ids
+            for name, buffer in list(owner.named_buffers(recurse=False)):
+                if buffer.is_meta:
+                    if name != "position_ids":
+                        raise ValueError(f"{owner_name}.{name} is neither in the checkpoint nor rebuildable")
+                    ids = torch.arange(buffer.shape[-1], device=device).expand(buffer.shape)
+                    owner.register_buffer(name, ids, persistent=False)
         return model.eval()
 
     # ---- the pieces of a denoising step -------------------------------------------------------------------------
@@ -290,7 +298,10 @@ class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         new_context = []
         for i, layer in enumerate(self.language_model.model.layers):
             past = context.layers[i] if context is not None and context.layers else None
-            x, kv = layer(x, routing, cos, sin, past, causal)
+            if self.gradient_checkpointing and torch.is_grad_enabled():  # recompute the layer in the backward
+                x, kv = self._gradient_checkpointing_func(layer, x, routing, cos, sin, past, causal)
+            else:
+                x, kv = layer(x, routing, cos, sin, past, causal)
             new_context.append(kv)
         return x, new_context
 
@@ -474,7 +485,9 @@ def guided_velocity(model: BagelMoT, latents: torch.Tensor, sigma: float, contex
         raise ValueError("text CFG needs the text-unconditional context")
     v_text = model.velocity(latents, t, contexts.text_uncond, grid, image_tokens)
     v_img = None
-    if guidance.img_scale > 1.0 and contexts.image_uncond is not None:
+    if guidance.img_scale > 1.0 and contexts.image_uncond is contexts.full:  # text to image: the same branch
+        v_img = v
+    elif guidance.img_scale > 1.0 and contexts.image_uncond is not None:
         v_img = model.velocity(latents, t, contexts.image_uncond, grid, image_tokens)
     return combine_cfg(v, v_text, v_img, text_scale=guidance.text_scale, img_scale=guidance.img_scale,
                        renorm=guidance.renorm, renorm_min=guidance.renorm_min)
@@ -484,8 +497,8 @@ def initial_latents(generators, num_tokens: int, channels: int = 64, dtype: torc
                     device: torch.device | str = "cpu") -> torch.Tensor:
     """x at σ = 1, one sample per generator: [n, N, channels] (each sample's noise depends only on its own
     generator, so a group sampled whole or one by one starts from the same x)."""
-    return torch.stack([torch.randn(num_tokens, channels, generator=g, device=device, dtype=dtype)
-                        for g in generators])
+    return torch.stack([torch.randn(num_tokens, channels, generator=g, device=g.device).to(device, dtype)
+                        for g in generators])  # drawn where each generator lives (fp32), then moved
 
 
 def sample_group(model: BagelMoT, contexts: Contexts, guidance: Guidance, *, generators, grid: tuple[int, int],

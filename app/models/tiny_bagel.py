@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from app.models.flux_ae import TINY_AE_KEY, diffusers_to_ldm_vae, flux_autoencoder
 from app.models.tiny import SPECIAL_TOKENS, train_tokenizer, write_build
 
 BUILDER_VERSION = 1
@@ -71,7 +71,7 @@ def _save(folder: Path, seed: int) -> None:
                   vae_config={"z_channels": LATENT_CHANNELS, "downsample": 8}, latent_patch_size=LATENT_PATCH,
                   max_latent_size=MAX_LATENT_SIZE, vit_max_num_patch_per_side=VIT_MAX_PATCHES,
                   connector_act="gelu_pytorch_tanh", interpolate_pos=False, timestep_shift=3.0,
-                  torch_dtype="float32", flowgrpo_tiny_ae=TINY_AE)
+                  torch_dtype="float32", **{TINY_AE_KEY: TINY_AE})
     for name, content in (("config.json", config), ("llm_config.json", llm), ("vit_config.json", VIT),
                           ("preprocessor_config.json", _PREPROCESSOR)):
         (folder / name).write_text(json.dumps(content, indent=1) + "\n")
@@ -169,60 +169,3 @@ def autoencoder_tensors(generator: torch.Generator, params: dict = TINY_AE) -> d
                 fan_in = p[0].numel()
                 p.copy_(torch.randn(p.shape, generator=generator) / fan_in ** 0.5)
     return diffusers_to_ldm_vae(autoencoder.state_dict())
-
-
-def flux_autoencoder(params: dict = TINY_AE):
-    """A diffusers `AutoencoderKL` with the FLUX/BAGEL autoencoder's geometry (the FLUX VAE in diffusers)."""
-    from diffusers import AutoencoderKL
-
-    levels = len(params["ch_mult"])
-    return AutoencoderKL(
-        in_channels=params["in_channels"], out_channels=params["out_ch"], latent_channels=params["z_channels"],
-        down_block_types=["DownEncoderBlock2D"] * levels, up_block_types=["UpDecoderBlock2D"] * levels,
-        block_out_channels=[params["ch"] * m for m in params["ch_mult"]], layers_per_block=params["num_res_blocks"],
-        norm_num_groups=32, sample_size=params["resolution"], scaling_factor=params["scale_factor"],
-        shift_factor=params["shift_factor"], use_quant_conv=False, use_post_quant_conv=False)
-
-
-_LDM_RENAMES = [  # diffusers name pattern → original (LDM/FLUX) name; {n} is the decoder level count
-    (r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.down.\1.block.\2."),
-    (r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample."),
-    (r"^(encoder|decoder)\.mid_block\.resnets\.0\.", r"\1.mid.block_1."),
-    (r"^(encoder|decoder)\.mid_block\.resnets\.1\.", r"\1.mid.block_2."),
-    (r"^(encoder|decoder)\.mid_block\.attentions\.0\.group_norm\.", r"\1.mid.attn_1.norm."),
-    (r"^(encoder|decoder)\.mid_block\.attentions\.0\.to_(q|k|v)\.", r"\1.mid.attn_1.\2."),
-    (r"^(encoder|decoder)\.mid_block\.attentions\.0\.to_out\.0\.", r"\1.mid.attn_1.proj_out."),
-    (r"^(encoder|decoder)\.conv_norm_out\.", r"\1.norm_out."),
-    (r"\.conv_shortcut\.", ".nin_shortcut."),
-]
-
-
-def diffusers_to_ldm_vae(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A diffusers `AutoencoderKL` state dict in the original LDM/FLUX names (the inverse of diffusers'
-    `convert_ldm_vae_checkpoint`): decoder levels are numbered from the bottom, attention projections are 1x1
-    convolutions."""
-    levels = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"decoder\.up_blocks\.(\d+)\.", k)))
-    out = {}
-    for key, tensor in state.items():
-        name = key
-        if m := re.match(r"^decoder\.up_blocks\.(\d+)\.(resnets\.(\d+)|upsamplers\.0)\.", key):
-            level = levels - 1 - int(m.group(1))
-            inner = f"block.{m.group(3)}." if m.group(3) is not None else "upsample."
-            name = f"decoder.up.{level}.{inner}" + key[m.end():]
-        for pattern, replacement in _LDM_RENAMES:
-            name = re.sub(pattern, replacement, name)
-        if ".mid.attn_1." in name and name.endswith("weight") and tensor.ndim == 2:
-            tensor = tensor[:, :, None, None]
-        out[name] = tensor.contiguous()
-    return out
-
-
-def load_flux_autoencoder(path: str | os.PathLike, params: dict, dtype: torch.dtype = torch.float32):
-    """`ae.safetensors` (original names) into a diffusers `AutoencoderKL` via diffusers' own converter; strict."""
-    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-    from safetensors.torch import load_file
-
-    autoencoder = flux_autoencoder(params)
-    converted = convert_ldm_vae_checkpoint(load_file(str(path)), autoencoder.config)
-    autoencoder.load_state_dict(converted, strict=True)
-    return autoencoder.to(dtype).eval()

@@ -11,56 +11,39 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
-import time
-from pathlib import Path
 
 import torch
 
 from app.algo.sde import sde_step
 from app.models import qwen_image
-from app.models.lora import ADAPTER_NAME, attach_lora, transformer_key
+from app.rollout.local_engine import LocalEngine
 from app.rollout.seeding import draw_seed, sample_generators
-from app.types import GenerationRequest, LoraAdapter, Trajectory
+from app.types import GenerationRequest, Trajectory
 
 
-class DiffusersEngine:
+class DiffusersEngine(LocalEngine):
     kind = "diffusers"
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
                  batched_groups: bool = True):
         """batched_groups=False samples a group one image at a time (n forwards of batch 1 per step: the
         comparison the benchmark makes); the images are the same either way."""
-        self.model_path = str(Path(model_path).resolve())
+        super().__init__(model_path, dtype=dtype, device=device)
         self.batched_groups = batched_groups
-        self.dtype = getattr(torch, dtype)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.pipe = None
-        self._lock = threading.Lock()  # one group at a time on the shared modules
-        self._lora_version = 0
-        self._served = 0
-        self._errors = 0
 
-    @property
-    def lora_version(self) -> int:
-        return self._lora_version
-
-    def load(self) -> None:
-        """Load the pipeline onto the device (once; `start` does it off the event loop)."""
+    def load_model(self) -> None:
         from diffusers import QwenImagePipeline
 
-        with self._lock:
-            if self.pipe is None:
-                if self.device.type == "cuda":  # straight to the GPU: a 20B model never sits in host memory
-                    pipe = QwenImagePipeline.from_pretrained(self.model_path, dtype=self.dtype, device_map="cuda")
-                else:
-                    pipe = QwenImagePipeline.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
-                pipe.set_progress_bar_config(disable=True)
-                self.pipe = pipe
+        if self.device.type == "cuda":  # straight to the GPU: a 20B model never sits in host memory
+            pipe = QwenImagePipeline.from_pretrained(self.model_path, dtype=self.dtype, device_map="cuda")
+        else:
+            pipe = QwenImagePipeline.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe = pipe
 
-    async def start(self) -> None:
-        if self.pipe is None:
-            await asyncio.to_thread(self.load)
+    def trained_module(self) -> torch.nn.Module:
+        return self.pipe.transformer
 
     @torch.no_grad()
     def _encode(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +52,15 @@ class DiffusersEngine:
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         return embeds[0], mask[0]  # [S, D], [S]
 
-    @torch.no_grad()
     def _generate(self, request: GenerationRequest, seed: int) -> Trajectory:
+        if request.is_edit:
+            raise ValueError("image: Qwen-Image generates from text only here; edits need model.family=bagel")
+        if self.batched_groups or request.n == 1:
+            return self._generate_group(request, seed)
+        return self._generate_per_sample(request, seed)
+
+    @torch.no_grad()
+    def _generate_group(self, request: GenerationRequest, seed: int) -> Trajectory:
         pipe, n = self.pipe, request.n
         embeds, mask = self._encode(request.prompt)
         neg_embeds = neg_mask = None
@@ -104,12 +94,11 @@ class DiffusersEngine:
             latents=torch.stack(latents, dim=1).cpu(), log_probs=torch.stack(log_probs, dim=1).cpu(),
             timesteps=timesteps, sigmas=sigmas, prompt_embeds=embeds.float().cpu(), prompt_mask=mask.long().cpu(),
             negative_prompt_embeds=neg_embeds.float().cpu() if request.do_cfg else None,
-            negative_prompt_mask=neg_mask.long().cpu() if request.do_cfg else None,
-            producer={"engine": self.kind, "pid": os.getpid()})
+            negative_prompt_mask=neg_mask.long().cpu() if request.do_cfg else None)
 
     def _generate_per_sample(self, request: GenerationRequest, seed: int) -> Trajectory:
         """The group as n groups of one image (image j keeps its generator: sample_offset), joined."""
-        parts = [self._generate(request.replace(n=1, sample_offset=request.sample_offset + j), seed)
+        parts = [self._generate_group(request.replace(n=1, sample_offset=request.sample_offset + j), seed)
                  for j in range(request.n)]
         first = parts[0]
         return Trajectory.sampled(
@@ -118,34 +107,6 @@ class DiffusersEngine:
             timesteps=first.timesteps, sigmas=first.sigmas, prompt_embeds=first.prompt_embeds,
             prompt_mask=first.prompt_mask, negative_prompt_embeds=first.negative_prompt_embeds,
             negative_prompt_mask=first.negative_prompt_mask, producer=first.producer)
-
-    def _generate_locked(self, request: GenerationRequest, seed: int) -> Trajectory:
-        with self._lock:
-            started = time.perf_counter()
-            traj = (self._generate if self.batched_groups or request.n == 1 else self._generate_per_sample)(
-                request, seed)
-            traj.producer["seconds"] = time.perf_counter() - started
-            if self.device.type == "cuda":
-                traj.producer["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            return traj
-
-    def sample(self, request: GenerationRequest) -> Trajectory:
-        """`generate` for synchronous code in one process (no event loop): the single-GPU baseline."""
-        self.load()
-        return self._generate_locked(request, request.seed if request.seed is not None else draw_seed())
-
-    async def generate(self, request: GenerationRequest) -> Trajectory:
-        if not isinstance(request, GenerationRequest):
-            raise TypeError(f"expected a GenerationRequest, got {type(request).__name__}")
-        await self.start()
-        seed = request.seed if request.seed is not None else draw_seed()
-        try:
-            traj = await asyncio.to_thread(self._generate_locked, request, seed)
-        except Exception:
-            self._errors += 1
-            raise
-        self._served += 1
-        return traj
 
     async def generate_plain(self, request: GenerationRequest) -> torch.Tensor:
         """Stock diffusers sampling (`QwenImagePipeline.__call__`: its scheduler's ODE step, no trajectory) of the
@@ -164,44 +125,6 @@ class DiffusersEngine:
 
         return await asyncio.to_thread(run)
 
-    def _load_lora(self, adapter: LoraAdapter | None) -> int:
-        with self._lock:
-            transformer = self.pipe.transformer
-            current = (getattr(transformer, "peft_config", None) or {}).get(ADAPTER_NAME)
-            if adapter is None:
-                if current is not None:
-                    transformer.disable_adapters()
-                self._lora_version = 0
-                return 0
-            if current is not None and (current.r, current.lora_alpha, sorted(current.target_modules)) != (
-                    adapter.rank, adapter.alpha, sorted(adapter.target_modules)):
-                transformer.delete_adapters(ADAPTER_NAME)  # a different rank/targets: start a fresh adapter
-            attach_lora(transformer, adapter, ADAPTER_NAME)
-            transformer.enable_adapters()
-            transformer.set_adapter(ADAPTER_NAME)
-            self._lora_version = adapter.version
-            return adapter.version
-
-    async def load_lora(self, adapter: LoraAdapter | None) -> int:
-        await self.start()
-        return await asyncio.to_thread(self._load_lora, adapter)
-
-    async def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
-        await self.start()
-
-        def load() -> int:
-            with self._lock:
-                state = {transformer_key(k): v for k, v in named_tensors.items()}
-                result = self.pipe.transformer.load_state_dict(state, strict=False)
-                if result.unexpected_keys:
-                    raise ValueError(f"unknown transformer weights: {result.unexpected_keys[:3]}")
-                return len(state)
-
-        return await asyncio.to_thread(load)
-
-    async def health(self) -> dict:
-        return {"kind": self.kind, "model": self.model_path, "started": self.pipe is not None,
-                "lora_version": self._lora_version, "served": self._served, "errors": self._errors}
-
     async def close(self) -> None:
         self.pipe = None
+        await super().close()

@@ -32,7 +32,7 @@ from app.algo.advantages import step_advantages
 from app.algo.timesteps import trained_steps
 from app.config import RunConfig
 from app.console import quiet_this_process
-from app.flops import MMDiT, forward_flops, step_flops
+from app.flops import MMDiT, MoT, forward_flops, mot_forward_flops, step_flops
 from app.metrics import PhaseTimer, Stats, reduce_over_workers, reward_metrics, throughput
 from app.rollout.client import BlockingRolloutClient, RolloutClient, ScoredGroup
 from app.train import checkpoint
@@ -143,15 +143,15 @@ def _work_metrics(worker: Worker, step: int, groups: list[ScoredGroup]) -> dict[
     """This worker's share of the step's useful FLOPs (app/flops.py), how long the reward kept the rollout phase
     going after the last group was generated, and peak GPU memory of the trainer and of the rollout replicas."""
     train = worker.config.train
-    model = MMDiT.from_config(worker.policy.transformer.config)
     tflop = 0.0
     for s in groups:
         traj = s.trajectory
         trained = train.num_inner_epochs * len(trained_steps(traj.num_inference_steps, train.timestep_fraction,
                                                              seed=train.seed, step=step, group=traj.group_id, epoch=0))
-        forward = forward_flops(model, traj.latents.shape[2], int(traj.prompt_mask.sum()))
+        forward, branches = _forward_flops(worker.policy, traj)
         tflop += step_flops(forward, images=traj.group_size, num_inference_steps=traj.num_inference_steps,
-                            trained_steps=trained, cfg=traj.guidance_scale > 1, kl=train.kl_beta > 0)["total"] / 1e12
+                            trained_steps=trained, cfg=traj.guidance_scale > 1, kl=train.kl_beta > 0,
+                            branches=branches)["total"] / 1e12
     out = {"perf/useful_tflop": tflop,
            "timing/reward_wait_s_max": max(0.0, max(s.scored_at for s in groups) - max(s.generated_at for s in groups))}
     if torch.cuda.is_available():
@@ -159,6 +159,22 @@ def _work_metrics(worker: Worker, step: int, groups: list[ScoredGroup]) -> dict[
     replica_peaks = [s.trajectory.producer.get("gpu_peak_gib", 0.0) for s in groups]
     out["memory/rollout_peak_gib_max"] = max(replica_peaks)
     return out
+
+
+def _forward_flops(policy: Policy, traj) -> tuple[float, int]:
+    """(FLOPs of one forward of one image, forwards per denoising step) for the trajectory's family."""
+    tokens = traj.latents.shape[2]
+    if traj.family == "bagel":
+        cond = traj.conditioning
+        context = int(cond["prompt_ids"].numel())
+        if "edit_latents" in cond:  # the image blocks: [soi, latents, eoi] and [soi, ViT patches, eoi]
+            vit_patch = 14 * 14  # SigLIP's patch
+            context += cond["edit_latents"].shape[0] + cond["edit_vit"][0].numel() // vit_patch + 4
+        branches = 1 + (traj.guidance_scale > 1) + (traj.guidance_scale > 1 and traj.image_guidance_scale > 1
+                                                    and "edit_latents" in cond)
+        return mot_forward_flops(MoT.from_config(policy.transformer.config), tokens, context), branches
+    model = MMDiT.from_config(policy.transformer.config)
+    return forward_flops(model, tokens, int(traj.prompt_mask.sum())), 2 if traj.do_cfg else 1
 
 
 def _gpus(cfg: RunConfig) -> float:
@@ -215,9 +231,10 @@ def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> 
     device = ray.train.torch.get_device() if config.cluster.use_gpu else torch.device("cpu")
     policy = Policy.from_pretrained(
         Path(model.path).resolve(), lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
-        target_modules=model.lora_target_modules,
+        target_modules=model.lora_targets,
         dtype=getattr(torch, model.dtype), device=device, seed=train.seed,
-        adapter_tensors=restored.adapter if restored else None, gradient_checkpointing=train.gradient_checkpointing)
+        adapter_tensors=restored.adapter if restored else None, gradient_checkpointing=train.gradient_checkpointing,
+        family=model.family)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
     state = checkpoint.TrainerState(seed=train.seed)
     adapter = None

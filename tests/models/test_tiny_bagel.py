@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from app.models import tiny_bagel
-from app.models.tiny_bagel import TINY_AE, build_tiny_bagel, diffusers_to_ldm_vae, load_flux_autoencoder
+from app.models.flux_ae import diffusers_to_ldm_vae, load_flux_autoencoder
+from app.models.tiny_bagel import TINY_AE, build_tiny_bagel
 
 pytestmark = pytest.mark.slow  # fresh builds (~8 s each) and vllm-omni's import
 

@@ -1,5 +1,6 @@
 """Prompt order and sharding: a pure function of (seed, step), so a resumed run sees the same prompts."""
 
+import numpy as np
 import pytest
 
 from app.config import RolloutConfig
@@ -50,3 +51,45 @@ def test_a_group_s_request_follows_the_rollout_section_and_is_seeded_per_group()
     with_cfg = RolloutConfig(group_size=4, height=64, width=64, guidance_scale=4.0)
     assert group_request(with_cfg, "x", 0, seed=7, lora_version=3).negative_prompt == with_cfg.negative_prompt
     assert group_request(with_cfg, "x", 0, seed=7, lora_version=3).lora_version == 3
+
+
+def test_edit_prompts_from_jsonl_carry_their_image_into_the_request(tmp_path):
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from app.train.prompts import EditPrompt
+
+    picture = np.zeros((32, 48, 3), dtype=np.uint8)
+    picture[:, :, 0] = 200
+    Image.fromarray(picture).save(tmp_path / "sign.png")
+    lines = [{"prompt": 'Make the sign say "OPEN"', "image": "sign.png"}, {"prompt": 'A sign that says "HI"'}]
+    (tmp_path / "edits.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    edit, text = load_prompts(str(tmp_path / "edits.jsonl"))
+    assert isinstance(edit, EditPrompt) and text == 'A sign that says "HI"'
+    assert np.array_equal(edit.image, picture)  # an image path relative to the file, read as RGB
+    request = group_request(RolloutConfig(), edit, 3, seed=0)
+    assert request.prompt == 'Make the sign say "OPEN"' and request.is_edit
+    assert request.image.shape == (32, 48, 3) and request.image.dtype.is_floating_point is False
+    assert not group_request(RolloutConfig(), text, 4, seed=0).is_edit
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "line 1 is not JSON"),
+    ('{"image": "x.png"}', 'line 1 needs a non-empty "prompt"'),
+    ('{"prompt": "p", "image": "missing.png"}', "is not a readable image"),
+])
+def test_a_bad_jsonl_line_says_which_and_why(tmp_path, line, message):
+    (tmp_path / "p.jsonl").write_text(line + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_prompts(str(tmp_path / "p.jsonl"))
+
+
+def test_builtin_edit_set_renders_its_signs_deterministically():
+    first, again = load_prompts("ocr_edit_tiny"), load_prompts("ocr_edit_tiny")
+    assert len(first) == 8 and all('"' in str(p) for p in first)  # the new text in quotes: the OCR reward's target
+    assert all(p.image.shape == (64, 64, 3) and (p.image < 128).any() for p in first)  # dark text on white
+    assert all(np.array_equal(a.image, b.image) for a, b in zip(first, again, strict=True))
+    mixed = load_prompts("ocr_mixed_tiny")
+    assert sum(isinstance(p, str) for p in mixed) == 8 and len(mixed) == 16
