@@ -2,6 +2,8 @@
 
     POST /v1/images/generations   {prompt, n, size "WxH", response_format "b64_json", num_inference_steps, seed,
                                    noise_level, sde_type, guidance, negative_prompt, return_trajectory}
+    POST /v1/images/edits         multipart form: image (PNG/JPEG file), prompt (what to change), and the fields
+                                  above plus image_guidance (BAGEL deployments; the group edits one image)
     POST /v1/rewards              {images: [base64 PNG/JPEG], prompts: [...]} → {scores, components}
     GET  /v1/health               rollout and reward replicas answer
     GET  /v1/lora                 adapter version of every rollout replica, and the published one
@@ -17,15 +19,16 @@ import base64
 import binascii
 import io
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
-from fastapi import FastAPI, Request
+import torch
+from fastapi import FastAPI, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.config import RolloutConfig, SdeType, ServeConfig
+from app.config import ModelFamily, RolloutConfig, SdeType, ServeConfig
 from app.image_size import side_problem
 from app.types import MAX_SEED, GenerationRequest, Trajectory
 
@@ -45,6 +48,17 @@ class ImageGenerationBody(BaseModel):
     guidance: float | None = Field(None, ge=1, le=30)
     negative_prompt: str | None = None
     return_trajectory: bool = False
+
+
+class ImageEditForm(ImageGenerationBody):
+    """OpenAI's images/edits form: the image to edit and what to change, with the generation fields."""
+
+    image: UploadFile = Field(description="the image to edit: a PNG or JPEG file")
+    image_guidance: float | None = Field(None, ge=1, le=30, description="BAGEL's image CFG scale (cfg_img_scale)")
+
+
+EDIT_FORM_SCHEMA = {"requestBody": {"required": True, "content": {
+    "multipart/form-data": {"schema": {"$ref": "#/components/schemas/ImageEditForm"}}}}}
 
 
 class RewardBody(BaseModel):
@@ -100,19 +114,26 @@ def trajectory_b64(traj: Trajectory) -> str:
     from safetensors.torch import save
 
     tensors = {k: v.contiguous() for k, v in traj.tensors().items() if k != "images"}
-    metadata = {k: str(getattr(traj, k)) for k in ("prompt", "noise_level", "sde_type", "seed", "lora_version",
-                                                     "height", "width", "guidance_scale", "sample_offset")}
+    metadata = {k: str(getattr(traj, k)) for k in ("prompt", "family", "noise_level", "sde_type", "seed",
+                                                     "lora_version", "height", "width", "guidance_scale",
+                                                     "image_guidance_scale", "cfg_interval", "cfg_renorm",
+                                                     "cfg_renorm_min", "sample_offset")}
     return base64.b64encode(save(tensors, metadata=metadata)).decode()
 
 
-def _decode_image(data: str, index: int, max_bytes: int) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
-
+def _decode_b64_image(data: str, index: int, max_bytes: int) -> np.ndarray:
     param = f"images.{index}"
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, f"{param} is not valid base64", param) from None
+    return _decode_image(raw, param, max_bytes)
+
+
+def _decode_image(raw: bytes, param: str, max_bytes: int) -> np.ndarray:
+    """uint8 [H, W, 3] of a PNG or JPEG file, or a 4xx naming `param`."""
+    from PIL import Image, UnidentifiedImageError
+
     if len(raw) > max_bytes:
         raise ApiError(413, f"{param} is {len(raw)} bytes; the limit is {max_bytes}", param)
     try:
@@ -126,13 +147,15 @@ def _decode_image(data: str, index: int, max_bytes: int) -> np.ndarray:
 
 class ApiIngress:
     def __init__(self, rollout, reward, adapters=None, *, sampling: RolloutConfig | None = None,
-                 limits: ServeConfig | None = None):
+                 limits: ServeConfig | None = None, family: str = ModelFamily.qwen_image):
         """rollout, reward, adapters: DeploymentHandles; a request that leaves a sampling setting out gets
-        `sampling`'s (the rollout section); `limits`: what one request may ask for (the serve section)."""
+        `sampling`'s (the rollout section); `limits`: what one request may ask for (the serve section); `family`:
+        the served model's (edits need BAGEL)."""
         self.rollout, self.reward, self.adapters = rollout, reward, adapters
         self.sampling, self.limits = sampling or RolloutConfig(), limits or ServeConfig()
+        self.family = str(family)
 
-    def _generation_request(self, body: ImageGenerationBody) -> GenerationRequest:
+    def _generation_request(self, body: ImageGenerationBody, **extra) -> GenerationRequest:
         lim, d = self.limits, self.sampling
         if body.n > lim.max_n:
             raise ApiError(400, f"n={body.n} is more than this deployment's limit of {lim.max_n}", "n")
@@ -150,13 +173,27 @@ class ApiIngress:
                  "noise_level": body.noise_level, "sde_type": body.sde_type}
         try:
             return d.request(body.prompt, n=body.n, height=height, width=width, num_inference_steps=steps,
-                             seed=body.seed, **{k: v for k, v in given.items() if v is not None})
+                             seed=body.seed, **{k: v for k, v in given.items() if v is not None}, **extra)
         except ValueError as err:
             raise ApiError(400, str(err), str(err).split("=")[0]) from None
 
     @app.post("/v1/images/generations")
     async def generate_images(self, body: ImageGenerationBody) -> dict:
-        request = self._generation_request(body)
+        return await self._respond(self._generation_request(body), body)
+
+    @app.post("/v1/images/edits", openapi_extra=EDIT_FORM_SCHEMA)
+    async def edit_images(self, form: Annotated[ImageEditForm, Form(media_type="multipart/form-data")]) -> dict:
+        if self.family != ModelFamily.bagel:
+            raise ApiError(400, f"this deployment serves {self.family}, which generates from text only: edits need "
+                                "a model.family=bagel deployment", "image")
+        raw = await form.image.read(self.limits.max_image_bytes + 1)
+        image = torch.from_numpy(_decode_image(raw, "image", self.limits.max_image_bytes))
+        extra = {"image": image}
+        if form.image_guidance is not None:
+            extra["image_guidance_scale"] = form.image_guidance
+        return await self._respond(self._generation_request(form, **extra), form)
+
+    async def _respond(self, request: GenerationRequest, body: ImageGenerationBody) -> dict:
         traj: Trajectory = await self.rollout.generate.remote(request)
         response = {
             "created": int(time.time()),
@@ -175,7 +212,7 @@ class ApiIngress:
                            "prompts")
         if len(body.images) > lim.max_reward_images:
             raise ApiError(400, f"{len(body.images)} images; the limit is {lim.max_reward_images}", "images")
-        decoded = [_decode_image(data, i, lim.max_image_bytes) for i, data in enumerate(body.images)]
+        decoded = [_decode_b64_image(data, i, lim.max_image_bytes) for i, data in enumerate(body.images)]
         shapes = {im.shape for im in decoded}
         if len(shapes) != 1:
             raise ApiError(400, f"images differ in size {sorted(shapes)}; send one size per request", "images")

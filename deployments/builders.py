@@ -78,4 +78,4 @@ def build_app(args: Mapping | AppConfig) -> Application:
     ).bind(reward, torch_threads=settings.replica_torch_threads, log_level=log_level)
     ingress = serve.deployment(serve.ingress(fastapi_app)(ApiIngress), name="Api", logging_config=logging_config,
                                ray_actor_options={"num_cpus": settings.api_num_cpus})
-    return ingress.bind(rollout_app, reward_app, adapters, sampling=rollout, limits=settings)
+    return ingress.bind(rollout_app, reward_app, adapters, sampling=rollout, limits=settings, family=model.family)

@@ -110,6 +110,20 @@ def diffusers_engine(tiny_model_dir, aio):
 
 
 @pytest.fixture(scope="session")
+def serve_url(ray_cluster) -> str:
+    """Serve on the session's cluster, its HTTP proxy on a free port (started once: every Serve test shares it)."""
+    import socket
+
+    from ray import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
 def bagel_engine(tiny_bagel_dir, aio):
     from app.rollout.bagel_engine import BagelEngine
 

@@ -4,7 +4,6 @@ load balancing, LoRA publication by broadcast, bad requests, and a bounded schem
 import asyncio
 import base64
 import io
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -28,21 +27,13 @@ APP = "flowgrpo"
 SCHEMATHESIS = str(Path(sys.executable).with_name("schemathesis"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def served(ray_cluster, tiny_model_dir):
+def served(serve_url, tiny_model_dir):
     from ray import serve
 
     from deployments.builders import build_app
     from deployments.client import handles
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     # serve_config.yaml's `args:` form: a run config's sections plus `serve`
     args = {"model": {"path": str(tiny_model_dir), "dtype": "float32"},
             "rollout": {**SAMPLING, "num_replicas": 2, "replica_num_cpus": 0.5, "max_ongoing_requests": 4},
@@ -50,7 +41,7 @@ def served(ray_cluster, tiny_model_dir):
             "serve": {"max_n": 4, "max_side": 128, "max_steps": 4, "max_reward_images": 4, "api_num_cpus": 0.25}}
     serve.run(build_app(args), name=APP, route_prefix="/")
     rollout, reward, adapters = handles(APP)
-    yield {"url": f"http://127.0.0.1:{port}", "rollout": rollout, "reward": reward, "adapters": adapters}
+    yield {"url": serve_url, "rollout": rollout, "reward": reward, "adapters": adapters}
     serve.delete(APP)
 
 
@@ -267,3 +258,10 @@ def test_schemathesis_finds_no_server_error(served):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "passed" in done.stdout.lower()
     requests.get(f"{served['url']}/v1/health", timeout=60).raise_for_status()
+
+
+def test_an_edit_request_to_a_text_only_model_says_what_serves_edits(served):
+    response = requests.post(f"{served['url']}/v1/images/edits", data={"prompt": "make it blue"},
+                             files={"image": ("a.png", base64.b64decode(png_b64(rendered("A"))), "image/png")},
+                             timeout=60)
+    assert response.status_code == 400 and "model.family=bagel" in response.json()["error"]["message"]
