@@ -34,9 +34,11 @@ test-fast: setup
 # rollout.engine=diffusers train.num_steps=4`); ARGS="key=value ..." works too
 CONFIG_OVERRIDES := $(strip $(foreach v,$(.VARIABLES),$(if $(and $(findstring .,$(v)),$(filter command line,$(origin $(v)))),$(v)=$($(v)))))
 
-# the main job on the tiny config (CPU, a few minutes); a new run folder each time
+# the main job on the tiny config (CPU, a few minutes; CONFIG=configs/tiny_bagel_cpu.yaml for BAGEL); a new run
+# folder each time
+CONFIG ?= configs/tiny_cpu.yaml
 train: setup
-	$(PY) -m jobs.train --config configs/tiny_cpu.yaml logging.dir=runs/tiny_cpu/$$(date +%Y%m%d-%H%M%S) \
+	$(PY) -m jobs.train --config $(CONFIG) logging.dir=runs/$(basename $(notdir $(CONFIG)))/$$(date +%Y%m%d-%H%M%S) \
 		$(CONFIG_OVERRIDES) $(ARGS)
 
 tiny-models: setup

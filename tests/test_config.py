@@ -178,3 +178,21 @@ def test_a_request_gets_the_rollout_section_s_sampling_unless_it_says_otherwise(
     assert (changed.n, changed.num_inference_steps, changed.negative_prompt) == (1, 2, rollout.negative_prompt)
     with pytest.raises(ValueError, match="^height="):
         rollout.request("a sign", height=100)
+
+
+def test_bagel_configs_load_with_the_family_s_engine_and_lora_targets():
+    from app.config import FAMILY_LORA_TARGETS
+
+    tiny = load(CONFIGS / "tiny_bagel_cpu.yaml")
+    assert (tiny.model.family, tiny.rollout.engine) == ("bagel", "bagel")
+    assert tiny.model.lora_targets == FAMILY_LORA_TARGETS["bagel"]  # no targets in the YAML: the family's
+    assert load(CONFIGS / "tiny_cpu.yaml").model.lora_targets[0] == "to_q"
+    with pytest.raises(ConfigError, match="model.path"):
+        load(CONFIGS / "bagel_ocr.yaml")  # the real checkpoint's folder must be given
+    gpu = load(CONFIGS / "bagel_ocr.yaml", ["model.path=/data/BAGEL-7B-MoT"])
+    request = gpu.rollout.request('a sign that says "OPEN"')
+    assert (request.guidance_scale, request.negative_prompt, request.cfg_interval) == (4.0, "", (0.0, 1.0))
+    with pytest.raises(ConfigError, match="rollout.engine=diffusers cannot run model.family=bagel"):
+        load(CONFIGS / "tiny_bagel_cpu.yaml", ["rollout.engine=diffusers"])
+    with pytest.raises(ConfigError, match="rollout.cfg_interval"):
+        load(CONFIGS / "tiny_bagel_cpu.yaml", ["rollout.cfg_interval=[0.5,0.2]"])
