@@ -389,6 +389,10 @@ def _check_run(config: RunConfig) -> None:
     _require(train.learning_rate >= 0, f"train.learning_rate={train.learning_rate} must be >= 0")
     _require(rollout.noise_level > 0 or train.num_steps == 0,
              "rollout.noise_level=0 samples the deterministic ODE: there is nothing to train; set it > 0")
+    _require(not (config.model.family == ModelFamily.bagel and rollout.engine == Engine.vllm_omni)
+             or train.old_logprob == OldLogprob.recompute,
+             "rollout.engine=vllm_omni runs BAGEL in bf16 (hard-coded in vllm-omni), so its log-probs are not the "
+             "trainer's: set train.old_logprob=recompute (or rollout.engine=bagel, which matches exactly)")
 
 
 def _format_omegaconf_error(err: OmegaConfBaseException, source: str) -> str:

@@ -17,8 +17,8 @@ def make_engine(model: ModelConfig, rollout: RolloutConfig):
     if rollout.engine == Engine.vllm_omni:
         from app.rollout.vllm_omni.engine import VllmOmniEngine
 
-        return VllmOmniEngine(model.path, dtype=model.dtype, batched_groups=rollout.batched_groups,
-                              max_num_seqs=rollout.max_num_seqs)
+        return VllmOmniEngine(model.path, family=model.family, dtype=model.dtype,
+                              batched_groups=rollout.batched_groups, max_num_seqs=rollout.max_num_seqs)
     if rollout.engine == Engine.diffusers:
         from app.rollout.diffusers_engine import DiffusersEngine
 

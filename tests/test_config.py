@@ -196,3 +196,8 @@ def test_bagel_configs_load_with_the_family_s_engine_and_lora_targets():
         load(CONFIGS / "tiny_bagel_cpu.yaml", ["rollout.engine=diffusers"])
     with pytest.raises(ConfigError, match="rollout.cfg_interval"):
         load(CONFIGS / "tiny_bagel_cpu.yaml", ["rollout.cfg_interval=[0.5,0.2]"])
+    # vllm-omni runs BAGEL in bf16: its log-probs are recomputed, and a config must say so
+    with pytest.raises(ConfigError, match="train.old_logprob=recompute"):
+        load(CONFIGS / "tiny_bagel_cpu.yaml", ["rollout.engine=vllm_omni"])
+    served = load(CONFIGS / "tiny_bagel_cpu.yaml", ["rollout.engine=vllm_omni", "train.old_logprob=recompute"])
+    assert served.rollout.engine == "vllm_omni"

@@ -1,0 +1,89 @@
+"""What vllm-omni 0.30's BAGEL pipeline needs to run on the CPU (and, for the tiny test model, nothing more):
+every workaround in one place, each a no-op on CUDA (../shared/notes/bagel.md §1.6).
+
+1. `_C::silu_and_mul`: vllm's `SiluAndMul.__init__` binds this op on a CPU platform, and the CUDA vllm wheel has no
+   CPU kernels. Defined here (torch.library) only when it is missing.
+2. Input casts: the pipeline runs its model calls under CUDA autocast, which it disables on the CPU, so fp32 inputs
+   (timestep embeddings, latents, pixels) meet bf16 weights at the model's entry points. A forward pre-hook casts
+   them there, which is what autocast does on CUDA.
+3. The tiny autoencoder: vllm-omni always builds the 84M-parameter FLUX autoencoder; a tiny checkpoint declares a
+   smaller geometry under `flowgrpo_tiny_ae` in config.json (app/models/flux_ae.py), and it is swapped in.
+4. The engine's start-up warm-up asks for a 512x512 image (with an input image): minutes in bf16 on a CPU, and
+   refused by a checkpoint that generates less. On the CPU it asks for the smallest size instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from app.models.flux_ae import TINY_AE_KEY
+
+WARMUP_SIDE = 32  # pixels: one latent token pair at BAGEL's stride of 16
+_LIBRARY = None  # the torch.library fragment must outlive this call
+
+
+def define_silu_and_mul() -> None:
+    """Define `_C::silu_and_mul(out, x)` for the CPU when vllm's compiled ops lack it (workaround 1)."""
+    global _LIBRARY
+    try:
+        torch.ops._C.silu_and_mul  # noqa: B018 (an attribute lookup that raises when the op is missing)
+        return
+    except (AttributeError, RuntimeError):
+        pass
+    library = torch.library.Library("_C", "FRAGMENT")
+    library.define("silu_and_mul(Tensor(a!) out, Tensor x) -> ()")
+
+    def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+        half = x.shape[-1] // 2
+        out.copy_(torch.nn.functional.silu(x[..., :half]) * x[..., half:])
+
+    library.impl("silu_and_mul", silu_and_mul, "CPU")
+    _LIBRARY = library
+
+
+def _cast_to_weight_dtype(module: torch.nn.Module, args: tuple, kwargs: dict):
+    dtype = next(module.parameters()).dtype
+
+    def cast(value):
+        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
+def adapt_pipeline(pipeline) -> None:
+    """Workarounds 2 and 3 on a constructed `BagelPipeline` running off CUDA (before its weights load)."""
+    if pipeline.device.type == "cuda":
+        return
+    tiny = json.loads(Path(pipeline.od_config.model, "config.json").read_text()).get(TINY_AE_KEY)
+    if tiny:
+        from vllm_omni.diffusion.models.bagel.autoencoder import AutoEncoderParams, DistributedAutoEncoder
+
+        dtype = next(pipeline.vae.parameters()).dtype
+        pipeline.vae = DistributedAutoEncoder(AutoEncoderParams(**tiny)).to(pipeline.device, dtype)
+    bagel = pipeline.bagel
+    for module in (bagel.time_embedder.mlp, bagel.vae2llm, bagel.llm2vae, pipeline.vae.encoder,
+                   pipeline.vae.decoder, bagel.vit_model):
+        if module is not None:
+            module.register_forward_pre_hook(_cast_to_weight_dtype, with_kwargs=True)
+
+
+def shrink_warmup() -> None:
+    """Workaround 4: the diffusion engine's start-up request for BAGEL asks for WARMUP_SIDE pixels, not 512 (which a
+    tiny checkpoint also refuses: it generates at most 128). Patched in the engine process, where the pipeline class
+    is resolved before the warm-up runs; idempotent."""
+    from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
+
+    make = DiffusionEngine._make_dummy_request
+    if getattr(make, "flowgrpo_shrunk", False):
+        return
+
+    def make_dummy_request(engine, *, height: int, width: int, **kwargs):
+        if engine.od_config.model_class_name == "BagelPipeline":
+            height = width = WARMUP_SIDE
+        return make(engine, height=height, width=width, **kwargs)
+
+    make_dummy_request.flowgrpo_shrunk = True
+    DiffusionEngine._make_dummy_request = make_dummy_request

@@ -1,0 +1,226 @@
+"""vllm-omni's single-stage BAGEL pipeline with the FlowGRPO sampler, trajectory recording, groups of n, and our
+LoRA of the generation expert.
+
+Loaded by vllm-omni through `custom_pipeline_args={"pipeline_class": ...}` with the `bagel_single_stage` deploy
+config. Per request it reads the `flowgrpo` entry of `sampling_params.extra_args` (seed, sample_offset,
+noise_level, sde_type, lora_version) and then:
+
+- builds the request's CFG contexts once (vllm-omni's own code: text, and for an edit the input image through the
+  autoencoder and the ViT), recording what they were built from: the token ids the pipeline tokenized, and an
+  edit's encoded input image and ViT pixels (`Trajectory.conditioning`, app/models/bagel_context.py);
+- denoises the group's n samples over those contexts one after another (vllm-omni's BAGEL pipeline generates one
+  image per request), each from its own generator (app/rollout/seeding.py), with `app.algo.sde.sde_step` as
+  BAGEL's scheduler (its loop calls `scheduler.step(v, t, x, dt)`);
+- returns the n images, and through the trajectory fields:
+
+    trajectory_latents    [n, T+1, N, 64] fp32   x at every σ, as the model saw it
+    trajectory_log_probs  [n, T] fp32            log-prob of each taken step
+    trajectory_timesteps  dict: timesteps [T], sigmas [T+1], conditioning {name: tensor}
+
+vllm-omni's `num_inference_steps` counts schedule points: T steps take T + 1. The autoencoder encodes an edit's
+input image to its posterior mean (vllm-omni would sample it from the global RNG, so the same request would see a
+different input each time). Requests without a `flowgrpo` entry run the stock pipeline on the base model. BAGEL
+runs in bf16 here (vllm-omni hard-codes it), so the trainer recomputes old log-probs (`train.old_logprob:
+recompute`). The CPU workarounds live in app/platform/vllm_omni/bagel_cpu.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.models.bagel.pipeline_bagel import BagelPipeline
+
+from app.algo.sde import sde_step
+from app.models.bagel import initial_latents, patchify, schedule
+from app.platform.vllm_omni import bagel_cpu
+from app.rollout.seeding import sample_generators
+from app.rollout.vllm_omni.bagel_lora import GenerationExpertLora
+from app.rollout.vllm_omni.pipeline import EXTRA_ARGS_KEY, _flowgrpo_args
+from app.types import LoraAdapter
+
+if not torch.cuda.is_available():
+    bagel_cpu.define_silu_and_mul()  # before any BagelPipeline is built (its MLPs bind the op)
+    bagel_cpu.shrink_warmup()  # imported in the engine process before its warm-up request
+
+SCHEDULE_TOLERANCE = 1e-6  # vllm-omni's σ schedule (float32) against ours
+
+
+@dataclass
+class _Conditioning:
+    """What one request's contexts were built from, as the pipeline built them."""
+
+    token_ids: dict[str, torch.Tensor] = field(default_factory=dict)  # prompt text → ids (bos … eos)
+    edit_grid: tuple[int, int] | None = None
+    edit_latent: torch.Tensor | None = None  # [z, h·p, w·p]
+    edit_vit: torch.Tensor | None = None  # [3, H, W]
+
+
+class _SDEScheduler:
+    """BAGEL's scheduler hook for one sample: `step(v, t, x, dt)` with x, v [N, 64]; records the trajectory."""
+
+    def __init__(self, sigmas: torch.Tensor, generator: torch.Generator, noise_level: float, sde_type: str):
+        self.sigmas, self.generator = sigmas, generator
+        self.noise_level, self.sde_type = noise_level, sde_type
+        self.latents: list[torch.Tensor] = []
+        self.log_probs: list[torch.Tensor] = []
+
+    def step(self, v: torch.Tensor, t, x: torch.Tensor, dt, **_):
+        i = len(self.log_probs)
+        sigma, sigma_next = float(self.sigmas[i]), float(self.sigmas[i + 1])
+        if abs(float(t) - sigma) > SCHEDULE_TOLERANCE or abs(float(t) - float(dt) - sigma_next) > SCHEDULE_TOLERANCE:
+            raise RuntimeError(f"vllm-omni's BAGEL schedule (t={float(t)}, dt={float(dt)}) is not the recorded one "
+                               f"({sigma} → {sigma_next}) at step {i}")
+        if i == 0:
+            self.latents.append(x.detach().float().clone())
+        out = sde_step(v[None], x[None], sigma, sigma_next, noise_level=self.noise_level, sde_type=self.sde_type,
+                       sigma_max=float(self.sigmas[1]), generator=[self.generator], sample_dtype=x.dtype)
+        prev = out.prev_sample[0].to(x.dtype)
+        self.latents.append(prev.detach().float())
+        self.log_probs.append(out.log_prob[0].detach())
+        return SimpleNamespace(prev_sample=prev, log_prob=out.log_prob)
+
+
+class FlowGRPOBagelPipeline(BagelPipeline):
+    supports_step_execution = False  # the step-wise path batches requests around our per-sample scheduler
+
+    def __init__(self, *, od_config, prefix: str = ""):
+        super().__init__(od_config=od_config, prefix=prefix)
+        bagel_cpu.adapt_pipeline(self)
+        self.vae.reg.sample = False  # the posterior mean: an edit's input is the same every time (module doc)
+        self.lora = GenerationExpertLora(self.language_model.model.layers)
+        self._staged_loras: dict[int, tuple[dict, dict]] = {}  # filled by FlowGRPOWorkerExtension.stage_lora
+        self._active_lora: tuple | None = None  # the staged entry being served (None: the base model)
+        self._conditioning: _Conditioning | None = None
+        self._record_context_inputs()
+
+    # ---- recording what the contexts are built from ------------------------------------------------------------
+
+    def _record_context_inputs(self) -> None:
+        bagel, vae = self.bagel, self.vae
+        prepare_prompts, prepare_vae_images = bagel.prepare_prompts, bagel.prepare_vae_images
+        prepare_vit_images, encode = bagel.prepare_vit_images, vae.encode
+
+        def recorded_prompts(*args, **kwargs):
+            out = prepare_prompts(*args, **kwargs)
+            if self._conditioning is not None:
+                prompts = kwargs.get("prompts", args[2] if len(args) > 2 else None)
+                self._conditioning.token_ids[prompts[0]] = out[0]["packed_text_ids"].clone().cpu()
+            return out
+
+        def recorded_vae_images(*args, **kwargs):
+            out = prepare_vae_images(*args, **kwargs)
+            if self._conditioning is not None:
+                self._conditioning.edit_grid = tuple(int(s) for s in out[0]["patchified_vae_latent_shapes"][0])
+            return out
+
+        def recorded_encode(images):
+            latent = encode(images)
+            if self._conditioning is not None:
+                self._conditioning.edit_latent = latent[0].detach().float().cpu()
+            return latent
+
+        def recorded_vit_images(*args, **kwargs):
+            transforms = kwargs["transforms"]
+
+            def recorded_transforms(image):
+                pixels = transforms(image)
+                if self._conditioning is not None:
+                    self._conditioning.edit_vit = pixels.detach().float().cpu().clone()
+                return pixels
+
+            return prepare_vit_images(*args, **{**kwargs, "transforms": recorded_transforms})
+
+        bagel.prepare_prompts, bagel.prepare_vae_images = recorded_prompts, recorded_vae_images
+        bagel.prepare_vit_images, vae.encode = recorded_vit_images, recorded_encode
+
+    def _conditioning_tensors(self, rec: _Conditioning, prompt, sampling) -> dict[str, torch.Tensor]:
+        """The request's `Trajectory.conditioning` (app/models/bagel_context.py names)."""
+        text = prompt if isinstance(prompt, str) else (prompt.get("prompt") or "")
+        text = text.removeprefix("<|im_start|>").removesuffix("<|im_end|>")  # as the pipeline strips it
+        negative = prompt.get("negative_prompt") if isinstance(prompt, dict) else None
+        if negative is None:
+            negative = (sampling.extra_args or {}).get("negative_prompt", "")
+        out = {"prompt_ids": rec.token_ids[text],
+               "image_tokens": torch.tensor([self.new_token_ids["start_of_image"],
+                                             self.new_token_ids["end_of_image"]])}
+        if negative:
+            out["negative_ids"] = rec.token_ids[negative]
+        if rec.edit_latent is not None:
+            h, w = rec.edit_grid
+            p = self.bagel.latent_patch_size
+            out.update(edit_latents=patchify(rec.edit_latent[:, :h * p, :w * p], p), edit_grid=torch.tensor([h, w]),
+                       edit_vit=rec.edit_vit)
+        return out
+
+    # ---- LoRA ---------------------------------------------------------------------------------------------------
+
+    def _use_lora(self, version: int) -> None:
+        """Serve the staged adapter `version` (0: the base model). Re-staged tensors under a version already
+        active (a reset to the base model starts the versions again) are picked up: staging makes a new entry."""
+        staged = self._staged_loras.get(version) if version else None
+        if version and staged is None:
+            raise ValueError(f"LoRA version {version} is not staged in this engine (staged: "
+                             f"{sorted(self._staged_loras)}): publish it first")
+        if staged is self._active_lora:
+            return
+        adapter = None
+        if staged is not None:
+            tensors, config = staged
+            adapter = LoraAdapter(tensors, rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                                  target_modules=list(config["target_modules"]), version=version)
+        self.lora.activate(adapter, version)
+        self._active_lora = staged
+
+    # ---- sampling -----------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, req):
+        if len(req.prompts) != 1:
+            raise ValueError(f"BAGEL generates one request per forward, got {len(req.prompts)} (max_num_seqs: 1)")
+        sampling, prompt = req.sampling_params, req.prompts[0]
+        args = _flowgrpo_args(sampling)
+        self._use_lora(int(args.get("lora_version", 0)) if args else 0)
+        if args is None:
+            return super().forward(req)
+        rec = self._conditioning = _Conditioning()
+        try:
+            prepared = self._forward_single(prompt, sampling, prepare_only=True)
+        finally:
+            self._conditioning = None
+        if not isinstance(prepared, dict):
+            raise ValueError("a FlowGRPO request must ask for an image (not text, think or injected-KV modes)")
+        params, inputs = prepared["gen_params"], dict(prepared["generation_input"])
+        sigmas = schedule(params.num_timesteps, params.timestep_shift)
+        n = sampling.num_outputs_per_prompt if sampling.num_outputs_per_prompt > 0 else 1
+        num_tokens = inputs["packed_init_noises"].shape[0]
+        images, latents, log_probs = [], [], []
+        for generator in sample_generators(int(args["seed"]), int(args["sample_offset"]), n):
+            inputs["packed_init_noises"] = initial_latents([generator], num_tokens, device=self.device)[0]
+            scheduler = _SDEScheduler(sigmas, generator, float(args["noise_level"]), args["sde_type"])
+            with torch.autocast(device_type=self.device.type, enabled=self.device.type != "cpu",
+                                dtype=self.od_config.dtype):
+                final, *_ = self.bagel.generate_image(
+                    past_key_values=prepared["gen_context"]["past_key_values"],
+                    cfg_text_past_key_values=prepared["cfg_text_context"]["past_key_values"],
+                    cfg_img_past_key_values=prepared["cfg_img_context"]["past_key_values"],
+                    num_timesteps=params.num_timesteps, timestep_shift=params.timestep_shift,
+                    cfg_text_scale=params.cfg_text_scale, cfg_img_scale=params.cfg_img_scale,
+                    cfg_interval=params.cfg_interval, cfg_renorm_min=params.cfg_renorm_min,
+                    cfg_renorm_type=params.cfg_renorm_type, **inputs,
+                    cfg_text_packed_position_ids=prepared["cfg_text_packed_position_ids"],
+                    cfg_img_packed_position_ids=prepared["cfg_img_packed_position_ids"],
+                    scheduler=scheduler)
+            images.append(self._decode_image_from_latent(self.bagel, self.vae, final[0], prepared["image_shape"]))
+            latents.append(torch.stack(scheduler.latents).cpu())
+            log_probs.append(torch.stack(scheduler.log_probs).float().cpu())
+        side = {"timesteps": sigmas[:-1].clone(), "sigmas": sigmas,
+                "conditioning": self._conditioning_tensors(rec, prompt, sampling)}
+        trajectory = {"latents": torch.stack(latents), "log_probs": torch.stack(log_probs), "timesteps": side}
+        return DiffusionOutput(output={"payload": {"image": images, "trajectory": trajectory},
+                                       "metadata": {"trajectory": {"type": "denoising"}}})
+
+
+__all__ = ["EXTRA_ARGS_KEY", "FlowGRPOBagelPipeline"]
