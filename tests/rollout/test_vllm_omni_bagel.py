@@ -131,3 +131,13 @@ def test_an_adapter_on_modules_it_cannot_serve_is_refused_before_it_is_staged(en
     with pytest.raises(ValueError, match="generation expert"):
         aio(engine.load_lora(bad))
     assert engine.lora_version == 0
+
+
+def test_a_bagel_model_section_makes_a_bf16_bagel_engine(tiny_bagel_dir):
+    from app.config import ModelConfig, RolloutConfig
+    from deployments.rollout import make_engine
+
+    engine = make_engine(ModelConfig(family="bagel", path=str(tiny_bagel_dir)), RolloutConfig(engine="vllm_omni"))
+    assert (engine.kind, engine.family, engine.dtype) == ("vllm_omni", "bagel", "bfloat16")  # not started
+    with pytest.raises(ValueError, match="serves"):
+        type(engine)(tiny_bagel_dir, family="flux")
