@@ -111,15 +111,14 @@ def test_the_trainer_recomputes_its_log_probs_within_the_bound(engine, aio, tiny
 
 
 def test_a_published_lora_changes_the_images_and_resetting_restores_them(engine, aio, adapter):
-    base = aio(engine.generate(request(edit=True, cfg=False, n=1)))
+    # (text to image: an edit's context under the adapter is checked against the trainer above)
+    base = aio(engine.generate(request(edit=False, cfg=False, n=1)))
     version = aio(engine.load_lora(dataclasses.replace(adapter, version=engine.lora_version + 1)))
-    adapted = aio(engine.generate(request(edit=True, cfg=False, n=1)))
+    adapted = aio(engine.generate(request(edit=False, cfg=False, n=1)))
     assert adapted.lora_version == version >= 1
     assert (adapted.latents[:, -1] - base.latents[:, -1]).abs().max() > 1e-2
-    # the same input: the adapter changes what the model makes of it, not its encoding
-    assert torch.equal(adapted.conditioning["edit_latents"], base.conditioning["edit_latents"])
     aio(engine.load_lora(None))
-    again = aio(engine.generate(request(edit=True, cfg=False, n=1)))
+    again = aio(engine.generate(request(edit=False, cfg=False, n=1)))
     assert again.lora_version == 0
     assert torch.equal(again.latents, base.latents) and torch.equal(again.images, base.images)
 
