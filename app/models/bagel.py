@@ -477,7 +477,9 @@ class Contexts:
 def guided_velocity(model: BagelMoT, latents: torch.Tensor, sigma: float, contexts: Contexts, guidance: Guidance,
                     grid: tuple[int, int], image_tokens: tuple[int, int]) -> torch.Tensor:
     """The velocity of a batch of latents [B, N, 64] at σ, with BAGEL's CFG where it applies."""
-    t = torch.full((latents.shape[0],), sigma, dtype=latents.dtype, device=latents.device)
+    # σ in at least fp32 whatever the latents' dtype (a sampled step hands on fp32 latents, a stored one is read
+    # back in the model dtype): rollout and trainer embed the same timestep
+    t = torch.full((latents.shape[0],), sigma, dtype=_at_least_fp32(latents.dtype), device=latents.device)
     v = model.velocity(latents, t, contexts.full, grid, image_tokens)
     if not guidance.applies(sigma):
         return v

@@ -98,3 +98,26 @@ def test_vllm_omni_autoencoder_loads_it_and_decodes_as_ours(bagel_dir):
         mean = ours.encode(images).latent_dist.mode()
         theirs_mean = theirs.encoder(images).chunk(2, dim=1)[0]
         torch.testing.assert_close(mean, theirs_mean, rtol=1e-5, atol=1e-5)
+
+
+def test_real_width_builder_is_deterministic_and_loads(tmp_path):
+    """The real-width preset's layout at a narrow size (seconds on a CPU): same seed, same files; bf16 tensors that
+    `BagelMoT` loads strictly, the embedding padded to the vocabulary size, the ViT's input side in the preprocessor."""
+    from app.models.bagel import BagelMoT
+    from app.models.real_width_bagel import SIGLIP_SO400M, VOCAB, build_real_width_bagel, real_width_size
+
+    real = real_width_size()
+    assert (real.hidden, real.intermediate, real.heads, real.kv_heads, real.head_dim, real.layers) == (
+        3584, 18944, 28, 4, 128, 4)
+    assert real.vit["hidden_size"] == 1152 and real.vocab_size == VOCAB and real.max_latent_size == 64
+    narrow = real_width_size(layers=1, hidden=256, intermediate=384, heads=2, kv_heads=1, vocab_size=2048,
+                             vit=dict(SIGLIP_SO400M, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                      num_hidden_layers=1), autoencoder=TINY_AE)
+    first, again = (build_real_width_bagel(tmp_path / name, size=narrow, device="cpu") for name in ("a", "b"))
+    ema, ema_again = (load_file(str(d / "ema.safetensors")) for d in (first, again))
+    assert ema.keys() == ema_again.keys() and all(torch.equal(ema[k], ema_again[k]) for k in ema)
+    assert ema["language_model.model.layers.0.mlp_moe_gen.up_proj.weight"].dtype == torch.bfloat16
+    model = BagelMoT.from_checkpoint(first, dtype=torch.bfloat16)
+    assert model.language_model.model.embed_tokens.weight.shape == (2048, 256) and model.head_dim == 128
+    preprocessor = json.loads((first / "preprocessor_config.json").read_text())
+    assert preprocessor["size"] == {"height": 518, "width": 518}
