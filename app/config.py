@@ -64,6 +64,14 @@ class SdeType(StrEnum):
     cps = "cps"
 
 
+class WindowPlacement(StrEnum):
+    """Where a group's SDE window goes (app/algo/sde_window.py, its PLACEMENTS)."""
+
+    random = "random"  # per group (Flow-GRPO-Fast)
+    fixed = "fixed"  # at `start` for every group
+    sliding = "sliding"  # from `start`, `stride` steps later every `every` training steps (MixGRPO)
+
+
 class AdvStdMode(StrEnum):
     group = "group"  # GRPO: each prompt group's own std
     batch = "batch"  # FlowGRPO global_std: the std of the whole step's rewards
@@ -117,6 +125,26 @@ class ModelConfig:
 
 
 @dataclass
+class SdeWindowConfig:
+    # denoising steps sampled with SDE noise, and the only ones trained; the others take the ODE step (training
+    # cost falls by num_inference_steps / size). 0: no window, every step is stochastic
+    size: int = 0
+    placement: WindowPlacement = WindowPlacement.random
+    start: int = 0  # fixed: the window's first step; sliding: where it starts
+    every: int = 1  # sliding: the window moves every this many training steps ...
+    stride: int = 1  # ... by this many denoising steps, and stays at the end
+
+    def window(self, num_steps: int, *, seed: int, group: int, step: int) -> tuple[int, int] | None:
+        """Group `group`'s window (first, last + 1) at training step `step`; None without a window."""
+        if self.size == 0:
+            return None
+        from app.algo.sde_window import place_window
+
+        return place_window(num_steps, self.size, str(self.placement), seed=seed, group=group, step=step,
+                            start=self.start, every=self.every, stride=self.stride)
+
+
+@dataclass
 class RolloutConfig:
     # images per prompt group (the GRPO group size n); one request per group
     group_size: int = 8
@@ -139,6 +167,8 @@ class RolloutConfig:
     noise_level: float = 0.7
     # "sde" (FlowGRPO) or "cps" (coefficient-preserving sampling)
     sde_type: SdeType = SdeType.sde
+    # SDE noise on a window of the steps only (Flow-GRPO-Fast, MixGRPO); off by default
+    sde_window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
     # "vllm_omni" (the serving engine) or "diffusers" (the reference engine: where vllm cannot be installed)
     engine: Engine = Engine.vllm_omni
     # True: one request per group with num_outputs_per_prompt = n; False: n requests of one image (comparison)
@@ -336,6 +366,16 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     _require(rollout.num_inference_steps >= 2,
              f"rollout.num_inference_steps={rollout.num_inference_steps} must be >= 2 (one step divides by zero)")
     _require(rollout.noise_level >= 0, f"rollout.noise_level={rollout.noise_level} must be >= 0")
+    window = rollout.sde_window
+    _require(0 <= window.size <= rollout.num_inference_steps,
+             f"rollout.sde_window.size={window.size} must be in [0, rollout.num_inference_steps="
+             f"{rollout.num_inference_steps}] (0: no window)")
+    _require(window.start >= 0 and window.every >= 1 and window.stride >= 0,
+             f"rollout.sde_window: start={window.start} must be >= 0, every={window.every} >= 1, "
+             f"stride={window.stride} >= 0")
+    _require(window.placement != WindowPlacement.fixed or window.start + window.size <= rollout.num_inference_steps,
+             f"rollout.sde_window: a fixed window of {window.size} steps from start={window.start} does not fit in "
+             f"{rollout.num_inference_steps} steps")
     _require(rollout.guidance_scale >= 1.0,
              f"rollout.guidance_scale={rollout.guidance_scale} must be >= 1 (1 disables CFG)")
     for name in ("num_replicas", "max_ongoing_requests", "max_num_seqs"):

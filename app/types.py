@@ -20,6 +20,7 @@ from dataclasses import KW_ONLY, dataclass, field
 import torch
 
 from app.algo.sde import SDE_TYPES
+from app.algo.sde_window import noise_levels, stochastic_steps
 from app.image_size import side_problem
 
 FAMILIES = ("qwen_image", "bagel")  # app.config.ModelFamily's values
@@ -50,6 +51,9 @@ class GenerationRequest:
     sde_type: str
     # images in the group (the GRPO group size)
     n: int = 1
+    # the SDE window [first, last + 1) of denoising steps sampled with noise; the other steps take the ODE step
+    # (app/algo/sde_window.py). None: every step is stochastic
+    sde_window: tuple[int, int] | None = None
     # text CFG (Qwen-Image true CFG, BAGEL cfg_text_scale); > 1 needs a negative prompt (BAGEL: "" = the empty
     # context, its default)
     guidance_scale: float = 1.0
@@ -94,6 +98,10 @@ class GenerationRequest:
             _fail("noise_level", self.noise_level, "must be a number >= 0")
         if self.sde_type not in SDE_TYPES:
             _fail("sde_type", self.sde_type, f"must be one of {SDE_TYPES}")
+        if window_problem := _window_problem(self.sde_window, steps):
+            _fail("sde_window", self.sde_window, window_problem)
+        if isinstance(self.sde_window, list):  # from JSON or a config: one form everywhere
+            object.__setattr__(self, "sde_window", tuple(self.sde_window))
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed <= MAX_SEED):
             _fail("seed", self.seed, f"must be an integer in [0, {MAX_SEED}] or None")
@@ -133,8 +141,23 @@ class GenerationRequest:
     def is_edit(self) -> bool:
         return self.image is not None
 
+    @property
+    def step_noise_levels(self) -> list[float]:
+        """η of each denoising step: `noise_level` inside the SDE window, 0 (the ODE step) outside it."""
+        return noise_levels(self.noise_level, self.num_inference_steps, self.sde_window)
+
     def replace(self, **changes) -> GenerationRequest:
         return dataclasses.replace(self, **changes)
+
+
+def _window_problem(window, num_steps: int) -> str | None:
+    if window is None:
+        return None
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in window)
+            or not 0 <= window[0] < window[1] <= num_steps):
+        return f"must be (first, last + 1) steps with 0 <= first < last + 1 <= num_inference_steps={num_steps}, or None"
+    return None
 
 
 def _describe(value) -> str:
@@ -166,6 +189,8 @@ class Trajectory:
     height: int
     width: int
     family: str = "qwen_image"
+    # the SDE window as sampled (GenerationRequest's): only its steps carry a density and are trained
+    sde_window: tuple[int, int] | None = None
     guidance_scale: float = 1.0
     # Qwen-Image: the text-encoder states the transformer saw (shared by the group), [S, D] and int64 [S]; the
     # negative prompt's when CFG is on
@@ -195,6 +220,7 @@ class Trajectory:
             (self.timesteps.shape == (steps,), f"timesteps {tuple(self.timesteps.shape)} must be [{steps}]"),
             (self.sigmas.shape == (t1,), f"sigmas {tuple(self.sigmas.shape)} must be [{t1}]"),
             (self.family in FAMILIES, f"family {self.family!r} must be one of {FAMILIES}"),
+            (_window_problem(self.sde_window, steps) is None, f"sde_window {self.sde_window} must lie in [0, {steps}]"),
         ]
         if self.family == "qwen_image":
             checks += [
@@ -224,7 +250,8 @@ class Trajectory:
         return cls(prompt=request.prompt, group_id=request.group_id, images=images, latents=latents,
                    log_probs=log_probs, timesteps=timesteps, sigmas=sigmas, family=family,
                    prompt_embeds=prompt_embeds, prompt_mask=prompt_mask, noise_level=request.noise_level,
-                   sde_type=request.sde_type, seed=seed, lora_version=lora_version, height=request.height,
+                   sde_type=request.sde_type, sde_window=request.sde_window, seed=seed, lora_version=lora_version,
+                   height=request.height,
                    width=request.width, guidance_scale=request.guidance_scale,
                    negative_prompt_embeds=negative_prompt_embeds if request.do_cfg else None,
                    negative_prompt_mask=negative_prompt_mask if request.do_cfg else None,
@@ -240,6 +267,16 @@ class Trajectory:
     @property
     def num_inference_steps(self) -> int:
         return self.latents.shape[1] - 1
+
+    @property
+    def stochastic_steps(self) -> list[int]:
+        """The steps sampled with noise: the only ones with a density, hence the only ones trained."""
+        return stochastic_steps(self.num_inference_steps, self.sde_window)
+
+    @property
+    def step_noise_levels(self) -> list[float]:
+        """η of each step as sampled (0 outside the SDE window): what re-scoring a step must use."""
+        return noise_levels(self.noise_level, self.num_inference_steps, self.sde_window)
 
     @property
     def do_cfg(self) -> bool:

@@ -50,7 +50,7 @@ def run(config, steps: int) -> dict:
         trajectories, totals, reward_s = [], {}, 0.0
         with timer("rollout"):
             for group, prompt in groups:
-                traj = engine.sample(group_request(rollout, prompt, group, seed=train.seed))
+                traj = engine.sample(group_request(rollout, prompt, group, seed=train.seed, step=step))
                 began = time.perf_counter()
                 totals[group] = reward.score(traj.images, [traj.prompt] * traj.group_size).total
                 reward_s += time.perf_counter() - began

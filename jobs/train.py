@@ -138,7 +138,9 @@ def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None,
         f"  cluster:     {cluster.address or 'local Ray cluster'}"
         + (f", dashboard http://{dashboard_url}" if dashboard_url else ""),
         f"  rollout:     {rollout.engine} engine x {rollout.num_replicas} replicas; groups of {rollout.group_size}, "
-        f"{rollout.width}x{rollout.height}, {rollout.num_inference_steps} steps, noise level {rollout.noise_level:g}",
+        f"{rollout.width}x{rollout.height}, {rollout.num_inference_steps} steps, noise level {rollout.noise_level:g}"
+        + (f" on a {rollout.sde_window.placement} window of {rollout.sde_window.size} (the steps trained)"
+           if rollout.sde_window.size else ""),
         f"  reward:      {rewards} ({config.reward.num_replicas} replicas)",
         f"  training:    {cluster.num_workers} FSDP2 workers ({backend}); {train.num_steps} steps of "
         f"{train.groups_per_step} groups; LoRA rank {model.lora_rank}, lr {train.learning_rate:g}; a checkpoint "

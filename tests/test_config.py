@@ -63,6 +63,8 @@ def test_gpu_config_needs_its_paths():
      "'rollout.engine': Invalid value 'vllm', expected one of \\[vllm_omni, diffusers, bagel\\]"),
     ("rollout.engine=bagel", "rollout.engine=bagel cannot run model.family=qwen_image"),
     ("reward.ocr_detect_min_side=16", "reward.ocr_detect_min_side=16 must be >= 32"),
+    ("rollout.sde_window.size=9", "rollout.sde_window.size=9 must be in \\[0, rollout.num_inference_steps"),
+    ("rollout.sde_window.placement=cyclic", "rollout.sde_window.placement"),
 ])
 def test_cross_field_checks_say_what_to_change(override, match):
     overrides = [override, "cluster.num_workers=2"] if "divisible" in match else [override]

@@ -98,6 +98,18 @@ def test_invalid_bagel_settings_name_the_field(field, value, why):
         GenerationRequest("a cat", **SAMPLING, **{field: value})
 
 
+@pytest.mark.parametrize("window", [(2, 2), (-1, 1), (0, 99), (0.5, 2), [1, 2, 3]])
+def test_an_sde_window_must_lie_in_the_trajectory(window):
+    with pytest.raises(ValueError, match="^sde_window=.*num_inference_steps"):
+        GenerationRequest("a cat", **SAMPLING, sde_window=window)
+
+
+def test_an_sde_window_sets_each_step_s_noise_level():
+    request = GenerationRequest("a cat", **SAMPLING | {"num_inference_steps": 4}, sde_window=[1, 3])
+    assert request.sde_window == (1, 3)  # a list (JSON, a config) arrives as a tuple
+    assert request.step_noise_levels == [0.0, request.noise_level, request.noise_level, 0.0]
+
+
 def test_an_edit_request_and_a_bagel_trajectory():
     image = torch.zeros(40, 24, 3, dtype=torch.uint8)
     assert GenerationRequest("make it blue", **SAMPLING, image=image).is_edit

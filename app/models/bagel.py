@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -504,10 +505,11 @@ def initial_latents(generators, num_tokens: int, channels: int = 64, dtype: torc
 
 
 def sample_group(model: BagelMoT, contexts: Contexts, guidance: Guidance, *, generators, grid: tuple[int, int],
-                 image_tokens: tuple[int, int], sigmas: torch.Tensor, noise_level: float,
+                 image_tokens: tuple[int, int], sigmas: torch.Tensor, noise_levels: Sequence[float],
                  sde_type: str = "sde") -> tuple[torch.Tensor, torch.Tensor]:
     """Denoise len(generators) samples with the FlowGRPO SDE: (latents [n, T+1, N, 64] at every σ visited,
-    log-probs [n, T] of the steps taken). The generators draw the initial noise and then every step's noise."""
+    log-probs [n, T] of the steps taken). The generators draw the initial noise and then every step's noise.
+    noise_levels: η of each step (0 outside an SDE window: the ODE step)."""
     from app.algo.sde import sde_step
 
     dtype = next(model.parameters()).dtype
@@ -516,8 +518,8 @@ def sample_group(model: BagelMoT, contexts: Contexts, guidance: Guidance, *, gen
     visited, log_probs = [x], []
     for i in range(sigmas.shape[0] - 1):
         v = guided_velocity(model, x, float(sigmas[i]), contexts, guidance, grid, image_tokens)
-        out = sde_step(v, x, float(sigmas[i]), float(sigmas[i + 1]), noise_level=noise_level, sde_type=sde_type,
-                       sigma_max=float(sigmas[1]), generator=list(generators), sample_dtype=dtype)
+        out = sde_step(v, x, float(sigmas[i]), float(sigmas[i + 1]), noise_level=noise_levels[i],
+                       sde_type=sde_type, sigma_max=float(sigmas[1]), generator=list(generators), sample_dtype=dtype)
         x = out.prev_sample
         visited.append(x)
         log_probs.append(out.log_prob)
@@ -525,8 +527,8 @@ def sample_group(model: BagelMoT, contexts: Contexts, guidance: Guidance, *, gen
 
 
 def score_steps(model: BagelMoT, contexts: Contexts, guidance: Guidance, *, latents: torch.Tensor, steps,
-                grid: tuple[int, int], image_tokens: tuple[int, int], sigmas: torch.Tensor, noise_level: float,
-                sde_type: str = "sde", flow_grpo_compat: bool = False) -> list:
+                grid: tuple[int, int], image_tokens: tuple[int, int], sigmas: torch.Tensor,
+                noise_levels: Sequence[float], sde_type: str = "sde", flow_grpo_compat: bool = False) -> list:
     """Re-score stored transitions latents[:, i] → latents[:, i + 1] for each i of `steps` (latents [B, T+1, N, 64]
     of some members of a group): one `SDEStepOutput` per step, differentiable w.r.t. the model's LoRA."""
     from app.algo.sde import sde_step
@@ -539,7 +541,7 @@ def score_steps(model: BagelMoT, contexts: Contexts, guidance: Guidance, *, late
             raise ValueError(f"step {i} is outside the trajectory's {sigmas.shape[0] - 1} steps")
         x = latents[:, i].to(device=device, dtype=dtype)
         v = guided_velocity(model, x, float(sigmas[i]), contexts, guidance, grid, image_tokens)
-        outputs.append(sde_step(v, x, float(sigmas[i]), float(sigmas[i + 1]), noise_level=noise_level,
+        outputs.append(sde_step(v, x, float(sigmas[i]), float(sigmas[i + 1]), noise_level=noise_levels[i],
                                 sde_type=sde_type, sigma_max=float(sigmas[1]),
                                 prev_sample=latents[:, i + 1].to(device), flow_grpo_compat=flow_grpo_compat))
     return outputs

@@ -185,4 +185,4 @@ def score_trajectory(model: BagelMoT, traj, steps: Sequence[int], samples: Seque
     marks = tuple(int(i) for i in traj.conditioning["image_tokens"])
     return score_steps(model, contexts, guidance, latents=traj.latents[list(samples)], steps=steps,
                        grid=latent_grid(model, traj.height, traj.width), image_tokens=marks, sigmas=traj.sigmas,
-                       noise_level=traj.noise_level, sde_type=traj.sde_type, flow_grpo_compat=flow_grpo_compat)
+                       noise_levels=traj.step_noise_levels, sde_type=traj.sde_type, flow_grpo_compat=flow_grpo_compat)

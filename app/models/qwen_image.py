@@ -140,7 +140,7 @@ def score_steps(
                      guidance_scale=traj.guidance_scale, negative_prompt_embeds=neg_embeds,
                      negative_prompt_mask=neg_mask)
         outputs.append(sde_step(
-            v, x, traj.sigmas[i].item(), traj.sigmas[i + 1].item(), noise_level=traj.noise_level,
+            v, x, traj.sigmas[i].item(), traj.sigmas[i + 1].item(), noise_level=traj.step_noise_levels[i],
             sde_type=traj.sde_type, sigma_max=traj.sigmas[1].item(),
             prev_sample=traj.latents[idx, i + 1].to(device), flow_grpo_compat=flow_grpo_compat))
     return outputs

@@ -73,7 +73,7 @@ class BagelEngine(LocalEngine):
         marks = tuple(int(i) for i in conditioning["image_tokens"])
         latents, log_probs = bagel.sample_group(
             model, contexts, guidance, generators=sample_generators(seed, request.sample_offset, request.n),
-            grid=grid, image_tokens=marks, sigmas=sigmas, noise_level=request.noise_level,
+            grid=grid, image_tokens=marks, sigmas=sigmas, noise_levels=request.step_noise_levels,
             sde_type=request.sde_type)
         final = torch.stack([bagel.unpatchify(x, grid, config.latent_patch_size) for x in latents[:, -1]])
         images = flux_ae.decode(self.autoencoder, final, self.ae_params)

@@ -77,12 +77,12 @@ class DiffusersEngine(LocalEngine):
 
         pos_e, pos_m = batch(embeds, mask)
         neg_e, neg_m = batch(neg_embeds, neg_mask) if request.do_cfg else (None, None)
-        latents, log_probs = [x.float()], []
+        latents, log_probs, levels = [x.float()], [], request.step_noise_levels
         for i in range(request.num_inference_steps):
             v = qwen_image.velocity(pipe.transformer, x, timesteps[i].to(self.device), pos_e, pos_m, shapes,
                                     guidance_scale=request.guidance_scale, negative_prompt_embeds=neg_e,
                                     negative_prompt_mask=neg_m)
-            step = sde_step(v, x, sigmas[i], sigmas[i + 1], noise_level=request.noise_level,
+            step = sde_step(v, x, sigmas[i], sigmas[i + 1], noise_level=levels[i],
                             sde_type=request.sde_type, sigma_max=sigmas[1], generator=generators,
                             sample_dtype=x.dtype)  # scored as rounded: the sample the next step sees
             x = step.prev_sample.to(x.dtype)

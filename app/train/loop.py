@@ -82,8 +82,8 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
     # 1. prompts: groups step*G .. step*G+G-1, dealt round-robin to the workers
     mine = step_prompts(worker.prompts, step, train.groups_per_step, seed=train.seed,
                         shuffle=cfg.data.shuffle)[worker.rank::worker.world]
-    requests = [group_request(cfg.rollout, prompt, g, seed=train.seed, lora_version=worker.state.adapter_version)
-                for g, prompt in mine]
+    requests = [group_request(cfg.rollout, prompt, g, seed=train.seed, step=step,
+                              lora_version=worker.state.adapter_version) for g, prompt in mine]
 
     # 2. rollouts, rewards streamed in as groups finish, all from the adapter the replicas were given last
     with timer("rollout"):
@@ -146,7 +146,7 @@ def _work_metrics(worker: Worker, step: int, groups: list[ScoredGroup]) -> dict[
     tflop = 0.0
     for s in groups:
         traj = s.trajectory
-        trained = train.num_inner_epochs * len(trained_steps(traj.num_inference_steps, train.timestep_fraction,
+        trained = train.num_inner_epochs * len(trained_steps(traj.stochastic_steps, train.timestep_fraction,
                                                              seed=train.seed, step=step, group=traj.group_id, epoch=0))
         forward, branches = _forward_flops(worker.policy, traj)
         tflop += step_flops(forward, images=traj.group_size, num_inference_steps=traj.num_inference_steps,

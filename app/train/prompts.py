@@ -140,15 +140,17 @@ def group_seed(seed: int, group: int) -> int:
     return derived_seed(seed, group, 0x5EED)
 
 
-def group_request(rollout: RolloutConfig, prompt: Prompt, group: int, *, seed: int,
+def group_request(rollout: RolloutConfig, prompt: Prompt, group: int, *, seed: int, step: int = 0,
                   lora_version: int | None = None) -> GenerationRequest:
-    """The request for global group `group` of a run seeded `seed`: sampled as the rollout section says, seeded
-    per group, and asking for adapter `lora_version` (an edit prompt's request carries its image)."""
+    """The request for global group `group` of a run seeded `seed`, trained at step `step`: sampled as the
+    rollout section says (its SDE window placed for this group and step), seeded per group, and asking for adapter
+    `lora_version` (an edit prompt's request carries its image)."""
     import torch
 
     edit = {"image": torch.from_numpy(prompt.image)} if isinstance(prompt, EditPrompt) else {}
+    window = rollout.sde_window.window(rollout.num_inference_steps, seed=seed, group=group, step=step)
     return rollout.request(str(prompt), seed=group_seed(seed, group), group_id=group, lora_version=lora_version,
-                           **edit)
+                           sde_window=window, **edit)
 
 
 def _mixed_tiny() -> list[Prompt]:

@@ -28,7 +28,7 @@ def train_pass(policy: Policy, optimizer: torch.optim.Optimizer, train: TrainCon
     Returns the gradient norm before clipping."""
     optimizer.zero_grad(set_to_none=True)
     for traj, adv, old_lp in zip(trajectories, advantages, old, strict=True):
-        steps = trained_steps(traj.num_inference_steps, train.timestep_fraction, seed=train.seed, step=step,
+        steps = trained_steps(traj.stochastic_steps, train.timestep_fraction, seed=train.seed, step=step,
                               group=traj.group_id, epoch=epoch)
         weight = 1.0 / (len(trajectories) * traj.group_size * len(steps))  # loss = mean over the batch's terms
         for start in range(0, traj.group_size, train.micro_batch_size):
@@ -72,7 +72,7 @@ def recompute_log_probs(policy: Policy, train: TrainConfig, trajectories: Sequen
     out = []
     for traj in trajectories:
         steps = [i for epoch in range(train.num_inner_epochs)
-                 for i in trained_steps(traj.num_inference_steps, train.timestep_fraction, seed=train.seed,
+                 for i in trained_steps(traj.stochastic_steps, train.timestep_fraction, seed=train.seed,
                                         step=step, group=traj.group_id, epoch=epoch)]
         lp = traj.log_probs.clone()
         for start in range(0, traj.group_size, train.micro_batch_size):

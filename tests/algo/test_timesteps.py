@@ -14,3 +14,13 @@ def test_trained_steps_count_and_reproducibility(fraction, expected):
         draws = {tuple(trained_steps(10, fraction, seed=0, step=s, group=g, epoch=0)) for s in range(4)
                  for g in range(4)}
         assert len(draws) > 1
+
+
+def test_with_an_sde_window_only_its_steps_are_trained():
+    window = [3, 4, 5, 6]
+    assert trained_steps(window, 1.0, seed=0, step=1, group=2, epoch=0) == window
+    draws = {tuple(trained_steps(window, 0.5, seed=0, step=s, group=g, epoch=0)) for s in range(4) for g in range(4)}
+    assert all(len(d) == 2 and set(d) <= set(window) for d in draws) and len(draws) > 1
+    # the whole trajectory as a list draws what its length does: no window changes nothing
+    assert trained_steps(list(range(10)), 0.3, seed=0, step=3, group=5, epoch=1) == trained_steps(
+        10, 0.3, seed=0, step=3, group=5, epoch=1)

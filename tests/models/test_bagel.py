@@ -294,9 +294,10 @@ def _sample_and_rescore(model, contexts, guidance, marks, *, n=3, steps=5, noise
     sigmas = schedule(steps + 1, 3.0)
     with torch.no_grad():
         latents, log_probs = sample_group(model, contexts, guidance, generators=sample_generators(seed, 0, n),
-                                          grid=GRID, image_tokens=marks, sigmas=sigmas, noise_level=noise_level)
+                                          grid=GRID, image_tokens=marks, sigmas=sigmas,
+                                          noise_levels=[noise_level] * steps)
         scored = score_steps(model, contexts, guidance, latents=latents, steps=range(steps), grid=GRID,
-                             image_tokens=marks, sigmas=sigmas, noise_level=noise_level)
+                             image_tokens=marks, sigmas=sigmas, noise_levels=[noise_level] * steps)
     return latents, log_probs, torch.stack([o.log_prob for o in scored], dim=1)
 
 
@@ -356,7 +357,7 @@ def test_each_sample_starts_from_its_own_noise_whatever_the_group(bagel_dir, tok
 
     with torch.no_grad():
         one, one_lp = sample_group(model, contexts, Guidance(), generators=sample_generators(7, 1, 1), grid=GRID,
-                                   image_tokens=marks, sigmas=schedule(6, 3.0), noise_level=0.8)
+                                   image_tokens=marks, sigmas=schedule(6, 3.0), noise_levels=[0.8] * 5)
     torch.testing.assert_close(one[0], latents[1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(one_lp[0], log_probs[1], rtol=1e-4, atol=1e-4)
 

@@ -42,7 +42,7 @@ def adapter(tiny_bagel_dir):
 
 @pytest.fixture(scope="module")
 def text_group(engine, aio):
-    return aio(engine.generate(request(edit=False, cfg=True)))
+    return aio(engine.generate(request(edit=False, cfg=True, sde_window=(1, 3))))  # step 0: the ODE step
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,10 @@ def test_a_group_is_n_samples_each_from_its_own_noise(engine, aio, tiny_bagel_di
     assert group.family == "bagel" and group.latents.shape == (2, 4, 16, 64) and group.log_probs.shape == (2, 3)
     assert group.images.shape == (2, 64, 64, 3) and group.images.dtype == torch.uint8
     assert torch.isfinite(group.log_probs).all() and not torch.equal(group.latents[0], group.latents[1])
+    # an SDE window: only its steps carry a log-prob (the trainer scores the ODE step 0 as 0 too, below)
+    assert torch.equal(group.log_probs[:, 0], torch.zeros(2)) and (group.log_probs[:, 1:] != 0).all()
     # the second sample alone (its offset in the group) is the same sample: noise never depends on the batch
-    alone = aio(engine.generate(request(edit=False, cfg=True, n=1, sample_offset=1)))
+    alone = aio(engine.generate(request(edit=False, cfg=True, n=1, sample_offset=1, sde_window=(1, 3))))
     assert torch.equal(alone.latents[0], group.latents[1]) and torch.equal(alone.log_probs[0], group.log_probs[1])
     # the recorded sigmas are BAGEL's shifted schedule with T + 1 points; token ids as our tokenizer makes them
     assert group.sigmas.shape == (4,) and group.sigmas[0] == 1 and group.sigmas[-1] == 0

@@ -131,6 +131,23 @@ def test_vllm_omni_equals_the_diffusers_engine(vllm_engine, diffusers_engine, ai
         assert torch.allclose(a.prompt_embeds, b.prompt_embeds, atol=1e-6)
 
 
+def test_an_sde_window_puts_noise_only_on_its_steps_in_both_engines(vllm_engine, diffusers_engine, aio,
+                                                                     trainer_transformer):
+    """Steps 1-2 of 4 stochastic, 0 and 3 the ODE step: both engines take the same steps, only the window's carry
+    a log-prob, and the trainer scores every one of them as the rollout did."""
+    req = request(sde_window=(1, 3))
+    a, b = aio(vllm_engine.generate(req)), aio(diffusers_engine.generate(req))
+    assert a.sde_window == (1, 3) and a.stochastic_steps == [1, 2]
+    assert (a.latents - b.latents).abs().max() <= 1e-6 and (a.log_probs - b.log_probs).abs().max() <= 1e-6
+    assert torch.equal(a.log_probs[:, [0, 3]], torch.zeros(3, 2)) and (a.log_probs[:, 1:3] != 0).all()
+    with torch.no_grad():
+        scored = qwen_image.score_steps(trainer_transformer, a, range(4))
+    assert (torch.stack([s.log_prob for s in scored], dim=1) - a.log_probs).abs().max() <= PARITY_TOL
+    for i in (0, 3):  # outside the window the next latent is the ODE step's mean itself: no noise was added
+        assert (scored[i].prev_sample_mean - a.latents[:, i + 1]).abs().max() <= 1e-5
+    assert (scored[1].prev_sample_mean - a.latents[:, 2]).abs().max() > 1e-2  # inside: noise was
+
+
 def test_lora_in_memory_versions_and_parity(vllm_engine, aio, tiny_model_dir, lora_v3, base_model_after):
     base = aio(vllm_engine.generate(request()))
     assert aio(vllm_engine.load_lora(lora_v3)) == 3

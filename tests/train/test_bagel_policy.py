@@ -68,6 +68,14 @@ def test_a_negative_prompt_context_scores_exactly(bagel_engine, aio, tiny_bagel_
     assert torch.equal(log_probs(make_policy(tiny_bagel_dir, adapter), traj), traj.log_probs)
 
 
+def test_an_sde_window_edit_scores_exactly_with_log_probs_only_in_the_window(bagel_engine, aio, tiny_bagel_dir):
+    request = GenerationRequest('a sign that says "RL"', n=2, height=64, width=64, num_inference_steps=3,
+                                noise_level=0.8, sde_type="sde", seed=9, image=EDIT, sde_window=(2, 3), **CFG)
+    traj = aio(bagel_engine.generate(request))
+    assert traj.stochastic_steps == [2] and torch.equal(traj.log_probs[:, :2], torch.zeros(2, 2))
+    assert torch.equal(log_probs(make_policy(tiny_bagel_dir), traj), traj.log_probs)
+
+
 def test_only_the_generation_experts_lora_trains_and_the_reference_is_the_base(bagel_engine, aio, tiny_bagel_dir,
                                                                               adapter):
     traj = sample(bagel_engine, aio, adapter, edit=True, cfg=True, lora=False)

@@ -53,6 +53,19 @@ def test_a_group_s_request_follows_the_rollout_section_and_is_seeded_per_group()
     assert group_request(with_cfg, "x", 0, seed=7, lora_version=3).lora_version == 3
 
 
+def test_a_group_s_sde_window_is_placed_for_its_group_and_training_step():
+    from app.config import SdeWindowConfig
+
+    random = RolloutConfig(num_inference_steps=10, sde_window=SdeWindowConfig(size=2))
+    windows = {group_request(random, "x", g, seed=7).sde_window for g in range(40)}
+    assert len(windows) > 3 and all(hi - lo == 2 and 0 <= lo <= 8 for lo, hi in windows)
+    assert group_request(random, "x", 5, seed=7, step=0).sde_window == group_request(random, "x", 5, seed=7,
+                                                                                     step=9).sde_window
+    sliding = RolloutConfig(num_inference_steps=10, sde_window=SdeWindowConfig(size=2, placement="sliding", every=3))
+    assert [group_request(sliding, "x", 0, seed=7, step=s).sde_window[0] for s in (0, 2, 3, 6, 99)] == [0, 0, 1, 2, 8]
+    assert group_request(RolloutConfig(), "x", 0, seed=7).sde_window is None  # no window: every step stochastic
+
+
 def test_edit_prompts_from_jsonl_carry_their_image_into_the_request(tmp_path):
     import json
 

@@ -93,7 +93,8 @@ class VllmOmniEngine:
         from vllm_omni.lora.request import LoRARequest
 
         flowgrpo = {"seed": seed, "sample_offset": offset, "noise_level": request.noise_level,
-                    "sde_type": request.sde_type}
+                    "sde_type": request.sde_type,
+                    "sde_window": list(request.sde_window) if request.sde_window is not None else None}
         if self.family == "bagel":  # T steps are T + 1 schedule points; the pipeline applies the LoRA itself
             return OmniDiffusionSamplingParams(
                 height=request.height, width=request.width, num_inference_steps=request.num_inference_steps + 1,

@@ -1,9 +1,9 @@
 """vllm-omni's Qwen-Image pipeline with the FlowGRPO sampler and trajectory recording.
 
 Loaded by vllm-omni through `custom_pipeline_args={"pipeline_class": ...}`. Per request it reads the
-`flowgrpo` entry of `sampling_params.extra_args` (seed, sample_offset, noise_level, sde_type), draws the initial
-latents and every SDE step's noise from per-sample generators (app/rollout/seeding.py), replaces the scheduler
-step with `app.algo.sde.sde_step`, and returns through vllm-omni's trajectory fields:
+`flowgrpo` entry of `sampling_params.extra_args` (seed, sample_offset, noise_level, sde_type, sde_window), draws
+the initial latents and every SDE step's noise from per-sample generators (app/rollout/seeding.py), replaces the
+scheduler step with `app.algo.sde.sde_step`, and returns through vllm-omni's trajectory fields:
 
     trajectory_latents    [n, T+1, L, C] fp32   x at every sigma, as the transformer saw it
     trajectory_log_probs  [n, T] fp32           log-prob of each taken step
@@ -22,6 +22,7 @@ import torch
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
 from app.algo.sde import sde_step
+from app.algo.sde_window import noise_levels
 from app.rollout.seeding import sample_generators
 
 EXTRA_ARGS_KEY = "flowgrpo"
@@ -34,11 +35,17 @@ class _Recording:
     generators: list[torch.Generator]
     noise_level: float
     sde_type: str
+    sde_window: tuple[int, int] | None  # steps outside it take the ODE step (app/algo/sde_window.py)
     latents: list[torch.Tensor] = field(default_factory=list)  # T+1 × [B, L, C]
     log_probs: list[torch.Tensor] = field(default_factory=list)  # T × [B]
     timesteps: list[torch.Tensor] = field(default_factory=list)  # T × []
     sigmas: torch.Tensor | None = None  # [T+1]
     embeds: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name → (embeds, mask)
+
+
+def _window(args: dict) -> tuple[int, int] | None:
+    window = args.get("sde_window")
+    return None if window is None else (int(window[0]), int(window[1]))
 
 
 def _flowgrpo_args(sampling_params) -> dict | None:
@@ -58,11 +65,12 @@ class FlowGRPOQwenImagePipeline(QwenImagePipeline):
             return super().forward(req)
         if any(a is None for a in args):
             raise ValueError("FlowGRPO and plain requests cannot share a batch")
-        if len({(a["noise_level"], a["sde_type"]) for a in args}) != 1:
-            raise ValueError("requests batched together must share noise_level and sde_type")
+        if len({(a["noise_level"], a["sde_type"], _window(a)) for a in args}) != 1:
+            raise ValueError("requests batched together must share noise_level, sde_type and sde_window")
         n = params[0].num_outputs_per_prompt if params[0].num_outputs_per_prompt > 0 else 1
         generators = [g for a in args for g in sample_generators(a["seed"], a["sample_offset"], n)]
-        self._recording = rec = _Recording(generators, float(args[0]["noise_level"]), args[0]["sde_type"])
+        self._recording = rec = _Recording(generators, float(args[0]["noise_level"]), args[0]["sde_type"],
+                                           _window(args[0]))
         try:
             outputs = super().forward(req)
         finally:
@@ -110,7 +118,8 @@ class FlowGRPOQwenImagePipeline(QwenImagePipeline):
         if i == 0:
             rec.sigmas = sigmas.float().cpu()
             rec.latents.append(latents.detach().float())
-        step = sde_step(noise_pred, latents, sigmas[i], sigmas[i + 1], noise_level=rec.noise_level,
+        level = noise_levels(rec.noise_level, len(sigmas) - 1, rec.sde_window)[i]
+        step = sde_step(noise_pred, latents, sigmas[i], sigmas[i + 1], noise_level=level,
                         sde_type=rec.sde_type, sigma_max=sigmas[1], generator=rec.generators,
                         sample_dtype=latents.dtype)
         prev = step.prev_sample.to(latents.dtype)  # exact: already rounded to this dtype, then scored

@@ -3,7 +3,7 @@ LoRA of the generation expert.
 
 Loaded by vllm-omni through `custom_pipeline_args={"pipeline_class": ...}` with the `bagel_single_stage` deploy
 config. Per request it reads the `flowgrpo` entry of `sampling_params.extra_args` (seed, sample_offset,
-noise_level, sde_type, lora_version) and then:
+noise_level, sde_type, sde_window, lora_version) and then:
 
 - builds the request's CFG contexts once (vllm-omni's own code: text, and for an edit the input image through the
   autoencoder and the ViT), recording what they were built from: the token ids the pipeline tokenized, and an
@@ -34,11 +34,12 @@ from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.models.bagel.pipeline_bagel import BagelPipeline
 
 from app.algo.sde import sde_step
+from app.algo.sde_window import noise_levels
 from app.models.bagel import initial_latents, patchify, schedule
 from app.platform.vllm_omni import bagel_cpu
 from app.rollout.seeding import sample_generators
 from app.rollout.vllm_omni.bagel_lora import GenerationExpertLora
-from app.rollout.vllm_omni.pipeline import EXTRA_ARGS_KEY, _flowgrpo_args
+from app.rollout.vllm_omni.pipeline import EXTRA_ARGS_KEY, _flowgrpo_args, _window
 from app.types import LoraAdapter
 
 if not torch.cuda.is_available():
@@ -61,9 +62,9 @@ class _Conditioning:
 class _SDEScheduler:
     """BAGEL's scheduler hook for one sample: `step(v, t, x, dt)` with x, v [N, 64]; records the trajectory."""
 
-    def __init__(self, sigmas: torch.Tensor, generator: torch.Generator, noise_level: float, sde_type: str):
+    def __init__(self, sigmas: torch.Tensor, generator: torch.Generator, noise_levels: list[float], sde_type: str):
         self.sigmas, self.generator = sigmas, generator
-        self.noise_level, self.sde_type = noise_level, sde_type
+        self.noise_levels, self.sde_type = noise_levels, sde_type  # η per step (0 outside an SDE window)
         self.latents: list[torch.Tensor] = []
         self.log_probs: list[torch.Tensor] = []
 
@@ -75,7 +76,7 @@ class _SDEScheduler:
                                f"({sigma} → {sigma_next}) at step {i}")
         if i == 0:
             self.latents.append(x.detach().float().clone())
-        out = sde_step(v[None], x[None], sigma, sigma_next, noise_level=self.noise_level, sde_type=self.sde_type,
+        out = sde_step(v[None], x[None], sigma, sigma_next, noise_level=self.noise_levels[i], sde_type=self.sde_type,
                        sigma_max=float(self.sigmas[1]), generator=[self.generator], sample_dtype=x.dtype)
         prev = out.prev_sample[0].to(x.dtype)
         self.latents.append(prev.detach().float())
@@ -196,10 +197,11 @@ class FlowGRPOBagelPipeline(BagelPipeline):
         sigmas = schedule(params.num_timesteps, params.timestep_shift)
         n = sampling.num_outputs_per_prompt if sampling.num_outputs_per_prompt > 0 else 1
         num_tokens = inputs["packed_init_noises"].shape[0]
+        levels = noise_levels(float(args["noise_level"]), len(sigmas) - 1, _window(args))
         images, latents, log_probs = [], [], []
         for generator in sample_generators(int(args["seed"]), int(args["sample_offset"]), n):
             inputs["packed_init_noises"] = initial_latents([generator], num_tokens, device=self.device)[0]
-            scheduler = _SDEScheduler(sigmas, generator, float(args["noise_level"]), args["sde_type"])
+            scheduler = _SDEScheduler(sigmas, generator, levels, args["sde_type"])
             with torch.autocast(device_type=self.device.type, enabled=self.device.type != "cpu",
                                 dtype=self.od_config.dtype):
                 final, *_ = self.bagel.generate_image(
