@@ -130,6 +130,9 @@ class SdeWindowConfig:
     # cost falls by num_inference_steps / size). 0: no window, every step is stochastic
     size: int = 0
     placement: WindowPlacement = WindowPlacement.random
+    # random: the steps [lo, hi) the window lies in (flow_grpo's sde_window_range; e.g. [0, 5] of 10 keeps the
+    # noise in the first half, where the layout is decided); null: anywhere
+    range: list[int] | None = None
     start: int = 0  # fixed: the window's first step; sliding: where it starts
     every: int = 1  # sliding: the window moves every this many training steps ...
     stride: int = 1  # ... by this many denoising steps, and stays at the end
@@ -141,7 +144,8 @@ class SdeWindowConfig:
         from app.algo.sde_window import place_window
 
         return place_window(num_steps, self.size, str(self.placement), seed=seed, group=group, step=step,
-                            start=self.start, every=self.every, stride=self.stride)
+                            start=self.start, every=self.every, stride=self.stride,
+                            within=tuple(self.range) if self.range is not None else None)
 
 
 @dataclass
@@ -263,6 +267,11 @@ class TrainConfig:
     micro_batch_size: int = 4
     # old log-probs: "rollout" (as returned by the engine) or "recompute" (one extra forward)
     old_logprob: OldLogprob = OldLogprob.rollout
+    # adapter versions a trained group may lag behind the policy. 0: strictly on-policy (each step waits for
+    # groups of the adapter it just published). k >= 1: the groups of the next k steps are generated while this
+    # step trains, with the adapter the replicas have; a group more than k versions old is regenerated. The
+    # importance ratio is taken against the rollout's own log-probs (the behaviour policy), clipped as usual
+    max_staleness: int = 0
     # score "cps" and the KL as flow_grpo / verl-omni do (to reproduce their runs); see app/algo/sde.py
     flow_grpo_compat: bool = False
     # seeds the LoRA init, prompt order, rollout noise and trained timesteps: a run is reproducible from it
@@ -373,6 +382,11 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     _require(window.start >= 0 and window.every >= 1 and window.stride >= 0,
              f"rollout.sde_window: start={window.start} must be >= 0, every={window.every} >= 1, "
              f"stride={window.stride} >= 0")
+    _require(window.range is None or (len(window.range) == 2 and window.range[0] >= 0
+                                      and window.range[0] + window.size <= window.range[1]
+                                      <= rollout.num_inference_steps),
+             f"rollout.sde_window.range={window.range} must be [lo, hi] with 0 <= lo, lo + size ({window.size}) "
+             f"<= hi <= rollout.num_inference_steps={rollout.num_inference_steps} (or null: anywhere)")
     _require(window.placement != WindowPlacement.fixed or window.start + window.size <= rollout.num_inference_steps,
              f"rollout.sde_window: a fixed window of {window.size} steps from start={window.start} does not fit in "
              f"{rollout.num_inference_steps} steps")
@@ -424,6 +438,11 @@ def _check_run(config: RunConfig) -> None:
              f"train.micro_batch_size={train.micro_batch_size} must divide rollout.group_size={rollout.group_size} "
              "(a micro-batch holds images of one prompt group, which share the prompt embeddings)")
     _require(train.num_inner_epochs >= 1, f"train.num_inner_epochs={train.num_inner_epochs} must be >= 1")
+    _require(train.max_staleness >= 0, f"train.max_staleness={train.max_staleness} must be >= 0 (0: on-policy)")
+    _require(train.max_staleness == 0 or train.old_logprob == OldLogprob.rollout,
+             f"train.max_staleness={train.max_staleness} takes the importance ratio against the rollout's log-probs "
+             "(the policy that sampled a stale group, which the trainer no longer has): it needs "
+             "train.old_logprob=rollout, and an engine whose log-probs match the trainer's")
     _require(train.num_steps >= 0, f"train.num_steps={train.num_steps} must be >= 0")
     _require(train.checkpoint_every >= 0, f"train.checkpoint_every={train.checkpoint_every} must be >= 0")
     _require(train.learning_rate >= 0, f"train.learning_rate={train.learning_rate} must be >= 0")

@@ -234,6 +234,23 @@ def throughput(metrics: dict[str, float], *, useful_tflop: float, gpus: float) -
     return out
 
 
+def busy_shares(metrics: dict[str, float], *, rollout_busy_s: float, replicas: int, rollout_gpus: float,
+                trainer_gpus: float) -> dict[str, float]:
+    """How much of a step the rollout replicas and the trainer spent computing, from `timing/step_s`, the trainer's
+    `timing/train_s` (+ `recompute_s`) and the engines' seconds for the groups trained (`rollout_busy_s`, over all
+    replicas; with a pipelined loop they were generated during earlier steps, which evens out over a run). On GPUs,
+    `perf/gpu_idle_share`: the share of the GPU time the run holds in which its holder computed nothing (each
+    process weighed by the GPUs it holds; replicas and trainer sharing one GPU overlap, so there it over-counts)."""
+    step = metrics["timing/step_s"]
+    rollout = min(1.0, rollout_busy_s / max(1, replicas) / step)
+    trainer = min(1.0, (metrics.get("timing/train_s", 0.0) + metrics.get("timing/recompute_s", 0.0)) / step)
+    out = {"perf/rollout_busy_share": rollout, "perf/trainer_busy_share": trainer}
+    held = rollout_gpus + trainer_gpus
+    if held > 0:
+        out["perf/gpu_idle_share"] = 1 - (rollout * rollout_gpus + trainer * trainer_gpus) / held
+    return out
+
+
 def reward_metrics(rewards: dict) -> dict[str, float]:
     total = np.array([r.total for r in rewards.values()])
     out = {"reward/mean": float(total.mean()), "reward/std": float(total.std()),

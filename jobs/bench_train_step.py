@@ -5,7 +5,8 @@
 One process, one rank (a world of one: FSDP2 wraps the model as the Ray Train worker does), the run config's
 recipe: LoRA rank and targets, micro-batch, CFG, β·KL, gradient checkpointing. The batch is `--groups` groups of
 `rollout.group_size` sampled images in shape (random latents and prompt states: the cost does not depend on the
-values), with old log-probs scored by the policy first, so the first pass's ratios are 1 as in training. Timed: one
+values; `rollout.sde_window` places each group's window, whose steps are the ones trained), with old log-probs
+scored by the policy first, so the first pass's ratios are 1 as in training. Timed: one
 `app.train.update.train_pass` (forward, backward, clipping, optimizer step) after a warm-up pass; the figure is the
 median of --repeats passes (`--profile FILE`: one micro-batch of one trained step under the torch profiler, its
 GPU time by kind of kernel written to FILE as JSON). Useful FLOPs (app/flops.py): forward + input-gradient
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from app.algo.timesteps import trained_steps
 from app.config import load
 from app.flops import MMDiT, forward_flops, mfu, step_flops
 from app.metrics import Stats
@@ -55,6 +57,7 @@ def synthetic_group(config, group: int, text_dim: int, device_seed: int) -> Traj
         timesteps=timesteps, sigmas=sigmas, prompt_embeds=torch.randn(TEXT_TOKENS, text_dim, generator=gen),
         prompt_mask=torch.ones(TEXT_TOKENS, dtype=torch.long), noise_level=rollout.noise_level,
         sde_type=str(rollout.sde_type), seed=group, lora_version=0, height=rollout.height, width=rollout.width,
+        sde_window=rollout.sde_window.window(steps, seed=config.train.seed, group=group, step=0),
         guidance_scale=rollout.guidance_scale,
         negative_prompt_embeds=torch.randn(TEXT_TOKENS, text_dim, generator=gen) if cfg else None,
         negative_prompt_mask=torch.ones(TEXT_TOKENS, dtype=torch.long) if cfg else None)
@@ -132,7 +135,8 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
         Path(profile).write_text(json.dumps({"micro_step_s": round(profiled_s, 3), "images": len(samples),
                                              **kernel_time_by_kind(prof)}, indent=1))
     images = groups * rollout.group_size
-    trained = max(1, round(train.timestep_fraction * rollout.num_inference_steps))
+    trained = len(trained_steps(batch[0].stochastic_steps, train.timestep_fraction, seed=train.seed, step=0,
+                                group=0, epoch=0))  # per image, each pass: the window's steps, or a fraction of all
     forward = forward_flops(shape, qwen_image.image_seq_len(rollout.height, rollout.width), TEXT_TOKENS)
     flops = step_flops(forward, images=images, num_inference_steps=0, trained_steps=trained,
                        cfg=rollout.guidance_scale > 1, kl=train.kl_beta > 0)
@@ -141,7 +145,8 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
     return {
         "bench": "train_step", "device": torch.cuda.get_device_name() if cuda else "cpu",
         "layers": shape.num_layers, "size": f"{rollout.width}x{rollout.height}", "images": images,
-        "trained_steps": trained, "cfg": rollout.guidance_scale, "kl_beta": train.kl_beta,
+        "trained_steps": trained, "sde_window": rollout.sde_window.size, "cfg": rollout.guidance_scale,
+        "kl_beta": train.kl_beta,
         "lora_rank": model.lora_rank, "lora_targets": len(model.lora_targets),
         "micro_batch_size": train.micro_batch_size, "gradient_checkpointing": train.gradient_checkpointing,
         "pass_s": round(seconds, 3), "ms_per_image_step": round(1000 * seconds / (images * trained), 1),

@@ -145,6 +145,9 @@ def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None,
         f"  training:    {cluster.num_workers} FSDP2 workers ({backend}); {train.num_steps} steps of "
         f"{train.groups_per_step} groups; LoRA rank {model.lora_rank}, lr {train.learning_rate:g}; a checkpoint "
         f"every {train.checkpoint_every or train.num_steps} steps; up to {train.max_failures} worker-group restarts",
+        "  schedule:    " + ("on-policy (each step samples the adapter of the step before)" if not train.max_staleness
+                             else f"pipelined: the next {train.max_staleness} step(s) generate while one trains, "
+                                  f"groups at most {train.max_staleness} adapter version(s) old"),
     ])
 
 

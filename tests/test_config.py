@@ -65,6 +65,7 @@ def test_gpu_config_needs_its_paths():
     ("reward.ocr_detect_min_side=16", "reward.ocr_detect_min_side=16 must be >= 32"),
     ("rollout.sde_window.size=9", "rollout.sde_window.size=9 must be in \\[0, rollout.num_inference_steps"),
     ("rollout.sde_window.placement=cyclic", "rollout.sde_window.placement"),
+    ("rollout.sde_window.range=[3,9]", "rollout.sde_window.range=\\[3, 9\\] must be \\[lo, hi\\]"),
 ])
 def test_cross_field_checks_say_what_to_change(override, match):
     overrides = [override, "cluster.num_workers=2"] if "divisible" in match else [override]

@@ -4,7 +4,9 @@ window's steps have a density, so only they are trained: the training cost falls
 
 The window of a group is [start, start + w), placed by one of:
 
-    random   start drawn uniformly from [0, T − w] per group, from (seed, group)       (Flow-GRPO-Fast)
+    random   start drawn uniformly per group, from (seed, group), so that the window lies in the steps
+             [lo, hi) (the whole trajectory by default; Flow-GRPO-Fast and verl-omni's Qwen-Image recipe keep it
+             in the first half, where the image's layout is decided: `sde_window_range` there)  (Flow-GRPO-Fast)
     fixed    start = `start` for every group
     sliding  start = min(`start` + (step // every) · stride, T − w): the window moves from the noisy end of the
              trajectory towards the clean end as training proceeds, and stays at the end    (MixGRPO)
@@ -21,8 +23,9 @@ PLACEMENTS = ("random", "fixed", "sliding")
 
 
 def place_window(num_steps: int, size: int, placement: str, *, seed: int, group: int, step: int, start: int = 0,
-                 every: int = 1, stride: int = 1) -> tuple[int, int]:
-    """The SDE window (first step, one past the last) of a group of `num_steps` denoising steps."""
+                 every: int = 1, stride: int = 1, within: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The SDE window (first step, one past the last) of a group of `num_steps` denoising steps. within: the
+    steps [lo, hi) a random window lies in (None: all of them)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement={placement!r} is not one of {PLACEMENTS}")
     if size < 1:
@@ -32,7 +35,11 @@ def place_window(num_steps: int, size: int, placement: str, *, seed: int, group:
     size = min(size, num_steps)
     last = num_steps - size  # the latest start that keeps the window inside the trajectory
     if placement == "random":
-        first = int(np.random.default_rng([seed, group]).integers(0, last + 1))
+        lo, hi = within if within is not None else (0, num_steps)
+        if not 0 <= lo < hi <= num_steps or hi - lo < size:
+            raise ValueError(f"within={within}: a window of {size} of {num_steps} steps needs 0 <= lo, "
+                             f"lo + {size} <= hi <= {num_steps}")
+        first = int(np.random.default_rng([seed, group]).integers(lo, hi - size + 1))
     elif placement == "fixed":
         if start > last:
             raise ValueError(f"start={start}: a window of {size} of {num_steps} steps starts at {last} at the latest")

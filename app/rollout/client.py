@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -139,36 +141,81 @@ class RolloutClient:
         expected = adapter.version if adapter is not None else 0
         if any(r.lora_version != expected for r in requests):
             raise ValueError(f"requests must ask for adapter version {expected}, the one given")
-        groups = await self.collect(requests)
-        stale = [k for k, s in enumerate(groups) if s.trajectory.lora_version != expected]
-        if stale:
-            await self.publish(adapter)  # a no-op on replicas already serving it
-            again = await self.collect([requests[k] for k in stale])
-            for k, s in zip(stale, again, strict=True):
-                if s.trajectory.lora_version != expected:
-                    raise RuntimeError(f"{_describe(requests[k])} came from adapter version "
-                                       f"{s.trajectory.lora_version} after publishing version {expected} again")
-                groups[k] = s
+        return await self.refresh(await self.collect(requests), requests, adapter, max_staleness=0)
+
+    async def refresh(self, groups: list[ScoredGroup], requests: Sequence[GenerationRequest],
+                      adapter: LoraAdapter | None, *, max_staleness: int) -> tuple[list[ScoredGroup], int]:
+        """`groups` (in request order) with every group sampled more than `max_staleness` versions before
+        `adapter` (the policy's, last published) generated again with `adapter` itself, and how many were. A
+        group from a version newer than `adapter` (a replica still serving an earlier run's) counts as stale too:
+        it was never this policy. The new requests name the version, so a replica loads it first."""
+        current = adapter.version if adapter is not None else 0
+        stale = [k for k, s in enumerate(groups) if not 0 <= current - s.trajectory.lora_version <= max_staleness]
+        if not stale:
+            return groups, 0
+        await self.publish(adapter)  # a no-op on replicas already serving it
+        again = await self.collect([requests[k] if requests[k].lora_version == current
+                                    else requests[k].replace(lora_version=current) for k in stale])
+        groups = list(groups)
+        for k, s in zip(stale, again, strict=True):
+            if s.trajectory.lora_version != current:
+                raise RuntimeError(f"{_describe(requests[k])} came from adapter version "
+                                   f"{s.trajectory.lora_version} after publishing version {current} again")
+            groups[k] = s
         return groups, len(stale)
 
 
 class BlockingRolloutClient:
-    """A `RolloutClient` for synchronous code (a Ray Train worker's loop): each call runs to completion on the one
-    event loop this object owns (Serve's handles stay bound to it). Use it as a context manager, or `close()`."""
+    """A `RolloutClient` for synchronous code (a Ray Train worker's loop). Its coroutines run on one event loop in
+    a thread of its own (Serve's handles stay bound to it): a call either runs to completion (`collect_on_policy`,
+    `publish`, `refresh`) or goes on in the background while the caller trains (`collect_ahead`,
+    `publish_ahead`: a `concurrent.futures.Future`). Use it as a context manager, or `close()`."""
 
     def __init__(self, client: RolloutClient):
         self.client = client
-        self._runner = asyncio.Runner()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
+        self._thread.start()
+
+    def _submit(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def collect_on_policy(self, requests: Sequence[GenerationRequest],
                           adapter: LoraAdapter | None) -> tuple[list[ScoredGroup], int]:
-        return self._runner.run(self.client.collect_on_policy(requests, adapter))
+        return self._submit(self.client.collect_on_policy(requests, adapter)).result()
+
+    def collect_ahead(self, requests: Sequence[GenerationRequest]) -> Future:
+        """Generate and score `requests` in the background; the future's result is `collect`'s."""
+        return self._submit(self.client.collect(requests))
+
+    def refresh(self, groups: list[ScoredGroup], requests: Sequence[GenerationRequest], adapter: LoraAdapter | None,
+                *, max_staleness: int) -> tuple[list[ScoredGroup], int]:
+        return self._submit(self.client.refresh(groups, requests, adapter, max_staleness=max_staleness)).result()
 
     def publish(self, adapter: LoraAdapter | None) -> Publication:
-        return self._runner.run(self.client.publish(adapter))
+        return self._submit(self.client.publish(adapter)).result()
+
+    def publish_ahead(self, adapter: LoraAdapter | None) -> Future:
+        """Publish in the background (the future's result is the `Publication`)."""
+        return self._submit(self.client.publish(adapter))
 
     def close(self) -> None:
-        self._runner.close()
+        """Cancel whatever still runs in the background (groups nobody will train on), then stop the loop."""
+        if self._loop.is_closed():
+            return
+
+        async def cancel_the_rest():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self._submit(cancel_the_rest()).result(timeout=60)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=60)
+            self._loop.close()
 
     def __enter__(self) -> BlockingRolloutClient:
         return self

@@ -116,6 +116,7 @@ class DiffusersEngine(LocalEngine):
 
         def run() -> torch.Tensor:
             with self._lock, torch.no_grad():
+                self._apply_staged()
                 out = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
                                 true_cfg_scale=request.guidance_scale, height=request.height, width=request.width,
                                 num_inference_steps=request.num_inference_steps, num_images_per_prompt=request.n,

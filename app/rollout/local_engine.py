@@ -1,6 +1,10 @@
 """What the in-process reference engines share (Qwen-Image on diffusers, BAGEL in pure torch): loading off the
 event loop, one group at a time under a lock, seeds, counters, and the LoRA as a peft adapter of the module that
 `trained_module()` names. A subclass loads its model (`load_model`) and samples a group (`_generate`).
+
+A new adapter is staged, not swapped in: `load_lora` returns at once, even while a group is being generated, and
+the next group to start applies it (a copy into the adapter's parameters, timed as `producer["adapter_swap_s"]`).
+A group is sampled whole with the adapter it started with, and publishing never waits for generation.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ class LocalEngine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.loaded = False
         self._lock = threading.Lock()  # one group at a time on the shared modules
-        self._lora_version = 0
+        self._lora_version = 0  # the adapter applied to the module (what a group started now is tagged with)
+        self._staged_lock = threading.Lock()
+        self._staged: tuple[LoraAdapter | None] | None = None  # (adapter,) waiting for the next group; None: none
         self._served = 0
         self._errors = 0
 
@@ -49,7 +55,12 @@ class LocalEngine:
 
     @property
     def lora_version(self) -> int:
-        return self._lora_version
+        """The version a group started now is sampled with: the staged adapter's, else the applied one's."""
+        with self._staged_lock:
+            staged = self._staged
+        if staged is None:
+            return self._lora_version
+        return staged[0].version if staged[0] is not None else 0
 
     def load(self) -> None:
         with self._lock:
@@ -63,10 +74,11 @@ class LocalEngine:
 
     def _generate_locked(self, request: GenerationRequest, seed: int) -> Trajectory:
         with self._lock, torch.no_grad():
+            swap = self._apply_staged()
             started = time.perf_counter()
             traj = self._generate(request, seed)
             traj.producer.update({"engine": self.kind, "pid": os.getpid(),
-                                  "seconds": time.perf_counter() - started})
+                                  "seconds": time.perf_counter() - started, "adapter_swap_s": swap})
             if self.device.type == "cuda":
                 traj.producer["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             return traj
@@ -90,32 +102,47 @@ class LocalEngine:
         return traj
 
     def _load_lora(self, adapter: LoraAdapter | None) -> int:
-        with self._lock:
-            module = self.trained_module()
-            current = (getattr(module, "peft_config", None) or {}).get(ADAPTER_NAME)
-            if adapter is None:
-                if current is not None:
-                    module.disable_adapters()
-                self._lora_version = 0
-                return 0
-            if current is not None and (current.r, current.lora_alpha, sorted(current.target_modules)) != (
-                    adapter.rank, adapter.alpha, sorted(adapter.target_modules)):
-                module.delete_adapters(ADAPTER_NAME)  # a different rank/targets: start a fresh adapter
-            attach_lora(module, adapter, ADAPTER_NAME)
-            module.enable_adapters()
-            module.set_adapter(ADAPTER_NAME)
-            self._lora_version = adapter.version
-            return adapter.version
+        """Stage `adapter` (None: the base model) for the next group; returns its version."""
+        with self._staged_lock:
+            self._staged = (adapter,)
+        return adapter.version if adapter is not None else 0
+
+    def _apply_staged(self) -> float:
+        """Swap the staged adapter in (under the generation lock); the seconds it took (0.0: nothing staged)."""
+        with self._staged_lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return 0.0
+        started = time.perf_counter()
+        (adapter,) = staged
+        module = self.trained_module()
+        current = (getattr(module, "peft_config", None) or {}).get(ADAPTER_NAME)
+        if adapter is None:
+            if current is not None:
+                module.disable_adapters()
+            self._lora_version = 0
+            return time.perf_counter() - started
+        if current is not None and (current.r, current.lora_alpha, sorted(current.target_modules)) != (
+                adapter.rank, adapter.alpha, sorted(adapter.target_modules)):
+            module.delete_adapters(ADAPTER_NAME)  # a different rank/targets: start a fresh adapter
+        attach_lora(module, adapter, ADAPTER_NAME)
+        module.enable_adapters()
+        module.set_adapter(ADAPTER_NAME)
+        self._lora_version = adapter.version
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copy onto the adapter's parameters is part of the swap
+        return time.perf_counter() - started
 
     async def load_lora(self, adapter: LoraAdapter | None) -> int:
         await self.start()
-        return await asyncio.to_thread(self._load_lora, adapter)
+        return self._load_lora(adapter)
 
     async def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
         await self.start()
 
         def load() -> int:
             with self._lock:
+                self._apply_staged()  # an adapter published before these weights applies to the old ones first
                 state = {transformer_key(k): v for k, v in named_tensors.items()}
                 result = self.trained_module().load_state_dict(state, strict=False)
                 if result.unexpected_keys:
@@ -126,7 +153,7 @@ class LocalEngine:
 
     async def health(self) -> dict:
         return {"kind": self.kind, "model": self.model_path, "started": self.loaded,
-                "lora_version": self._lora_version, "served": self._served, "errors": self._errors}
+                "lora_version": self.lora_version, "served": self._served, "errors": self._errors}
 
     async def close(self) -> None:
         self.loaded = False

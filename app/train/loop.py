@@ -2,12 +2,16 @@
 
  1. prompts      this worker's share of the step's prompt groups (a pure function of seed and step)
  2. rollouts     the groups from the rollout deployment; each is scored by the reward deployment as soon as it
-                 exists; every group must come from the adapter of the previous step (checked, logged)
+                 exists. On-policy (`train.max_staleness: 0`): every group comes from the adapter of the previous
+                 step. Pipelined (k >= 1): the groups were generated while earlier steps trained, with the adapter
+                 the replicas had; one more than k versions old is regenerated. Then the groups of step + k are
+                 requested, to generate while this step trains
  3. advantages   per prompt group, over the whole step's batch (every worker sees every reward)
  4. old log-probs  the rollout's own (`train.old_logprob: rollout`) or recomputed; their mismatch is logged
  5. update       per pass (app/train/update.py): a fraction of the timesteps in micro-batches, clipped
                  loss + β·KL, backward; gradient clipping; one optimizer step
- 6. publish      the new adapter to the adapter store and every live rollout replica: step k+1 samples from it
+ 6. publish      the new adapter to the adapter store and every live rollout replica: groups started from now on
+                 sample from it (on-policy: the step waits for every replica; pipelined: it goes on in the background)
  7. report       metrics (tensorboard, Ray metrics, `ray.train.report`; phase times, useful FLOPs, MFU, peak
                  GPU memory) and, every few steps, a checkpoint
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,13 +38,13 @@ from app.algo.timesteps import trained_steps
 from app.config import RunConfig
 from app.console import quiet_this_process
 from app.flops import MMDiT, MoT, forward_flops, mot_forward_flops, step_flops
-from app.metrics import PhaseTimer, Stats, reduce_over_workers, reward_metrics, throughput
+from app.metrics import PhaseTimer, Stats, busy_shares, reduce_over_workers, reward_metrics, throughput
 from app.rollout.client import BlockingRolloutClient, RolloutClient, ScoredGroup
 from app.train import checkpoint
 from app.train.policy import Policy
 from app.train.prompts import group_request, load_prompts, step_prompts
 from app.train.update import recompute_log_probs, train_pass
-from app.types import LoraAdapter
+from app.types import GenerationRequest, LoraAdapter
 
 
 @dataclass
@@ -56,6 +61,8 @@ class Worker:
     state: checkpoint.TrainerState
     adapter: LoraAdapter | None = None  # what the replicas serve (None: the base model)
     log: run_metrics.RunLog | run_metrics.NullRunLog = field(default_factory=run_metrics.NullRunLog)  # rank 0 logs
+    ahead: dict[int, Future] = field(default_factory=dict)  # pipelined: step -> its groups, generating
+    publishing: Future | None = None  # pipelined, rank 0: the publication still on its way to the replicas
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -71,6 +78,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             for step in range(worker.state.step, cfg.num_steps):
                 metrics = train_step(worker, step)
                 _report(worker, step, metrics)
+            if worker.publishing is not None:
+                worker.publishing.result()  # the replicas serve the final adapter when the run returns
         finally:
             worker.log.close()
 
@@ -79,16 +88,18 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
     cfg, train = worker.config, worker.config.train
     timer = PhaseTimer()
 
-    # 1. prompts: groups step*G .. step*G+G-1, dealt round-robin to the workers
-    mine = step_prompts(worker.prompts, step, train.groups_per_step, seed=train.seed,
-                        shuffle=cfg.data.shuffle)[worker.rank::worker.world]
-    requests = [group_request(cfg.rollout, prompt, g, seed=train.seed, step=step,
-                              lora_version=worker.state.adapter_version) for g, prompt in mine]
-
-    # 2. rollouts, rewards streamed in as groups finish, all from the adapter the replicas were given last
+    # 1-2. this worker's share of the step's prompt groups, generated and scored (rewards streamed in as groups
+    # finish): on-policy, now, from the adapter published last; pipelined, while earlier steps trained
     with timer("rollout"):
-        groups, regenerated = worker.rollout.collect_on_policy(requests, worker.adapter)
-    staleness = max(worker.state.adapter_version - s.trajectory.lora_version for s in groups)  # 0: all on-policy
+        groups, regenerated = _rollouts(worker, step)
+    staleness = [worker.state.adapter_version - s.trajectory.lora_version for s in groups]  # 0: on-policy
+    lost_replicas = 0  # replicas that died before loading the adapter published last (rank 0 counts)
+    if train.max_staleness > 0:
+        with timer("publish_wait"):  # the last publication has reached the replicas (long since, usually)
+            if worker.publishing is not None:
+                lost_replicas = worker.publishing.result().lost
+            dist.barrier()
+        _request_ahead(worker, step)  # steps step+1 .. step+k generate while this one trains
 
     # 3. advantages per prompt group, normalised over the whole step's batch (every worker's rewards)
     rewards = _gather_rewards(groups)  # {group id: RewardScores}
@@ -110,19 +121,26 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
         for epoch in range(train.num_inner_epochs):
             grad_norm = train_pass(worker.policy, worker.optimizer, train, step=step, epoch=epoch,
                                    trajectories=trajectories, advantages=advantages, old=old, stats=stats,
-                                   mismatch=mismatch)
+                                   mismatch=mismatch, policy_version=worker.state.adapter_version)
 
-    # 6. publish: the replicas serve the new adapter before any worker asks for the next step's rollouts
+    # 6. publish: groups started from now on sample the new adapter; on-policy, every replica serves it before any
+    # worker asks for the next step's groups; pipelined, it travels while the next step's groups are collected
     with timer("publish"):
         worker.adapter = worker.policy.export_adapter(version=step + 1)  # gathers the LoRA only (a collective)
-        lost_replicas = worker.rollout.publish(worker.adapter).lost if worker.rank == 0 else 0
-        dist.barrier()
+        if train.max_staleness == 0:
+            lost_replicas = worker.rollout.publish(worker.adapter).lost if worker.rank == 0 else 0
+            dist.barrier()
+        elif worker.rank == 0:
+            worker.publishing = worker.rollout.publish_ahead(worker.adapter)
     worker.state = checkpoint.TrainerState(step=step + 1, adapter_version=worker.adapter.version,
                                            data_position=(step + 1) * train.groups_per_step, seed=train.seed)
 
     # 7. metrics, averaged (or max/min) over workers
-    local = {**stats.result(), **mismatch.result(),
-             "rollout/staleness_max": float(staleness),
+    # the first-pass checks cover the groups of the policy's own version; every rank reports every key (0: no
+    # such group on this worker)
+    local = {"actor/ratio_dev_first_pass_max": 0.0, "actor/ratio_dev_stale_max": 0.0,
+             "rollout/logprob_mismatch_max": 0.0, **stats.result(), **mismatch.result(),
+             "rollout/staleness_max": float(max(staleness)), "rollout/staleness_mean": sum(staleness) / len(staleness),
              "rollout/regenerated_groups": float(regenerated),
              "rollout/retries_max": float(sum(s.retries for s in groups)),  # failed attempts seen by one worker
              "rollout/publish_lost_replicas_max": float(lost_replicas),
@@ -132,11 +150,43 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
            "rollout/adapter_version": float(worker.adapter.version),
            "rollout/images": float(sum(len(r.total) for r in rewards.values())), **timer.metrics()}
     out.update(throughput(out, useful_tflop=out.pop("perf/useful_tflop") * worker.world, gpus=_gpus(cfg)))
+    out.update(busy_shares(out, rollout_busy_s=out.pop("perf/rollout_busy_s") * worker.world,
+                           replicas=cfg.rollout.num_replicas, **_gpus_by_side(cfg)))
     if _log_images_now(cfg, step):  # rank 0's log draws them
         images = np.concatenate([s.trajectory.images.numpy() for s in groups])
         worker.log.log_images(step + 1, images, [s.trajectory.prompt for s in groups],
                               [{"total": s.rewards.total, **s.rewards.components} for s in groups])
     return out
+
+
+def _requests(worker: Worker, step: int) -> list[GenerationRequest]:
+    """This worker's groups of step `step`: the step's groups dealt round-robin to the workers. On-policy each
+    names the adapter last published; pipelined, none (a replica samples with the adapter it has)."""
+    cfg, train = worker.config, worker.config.train
+    mine = step_prompts(worker.prompts, step, train.groups_per_step, seed=train.seed,
+                        shuffle=cfg.data.shuffle)[worker.rank::worker.world]
+    version = worker.state.adapter_version if train.max_staleness == 0 else None
+    return [group_request(cfg.rollout, prompt, g, seed=train.seed, step=step, lora_version=version)
+            for g, prompt in mine]
+
+
+def _rollouts(worker: Worker, step: int) -> tuple[list[ScoredGroup], int]:
+    """Step `step`'s scored groups in request order, none more than `train.max_staleness` adapter versions behind
+    the policy, and how many had to be generated again."""
+    k, requests = worker.config.train.max_staleness, _requests(worker, step)
+    if k == 0:
+        return worker.rollout.collect_on_policy(requests, worker.adapter)
+    ahead = worker.ahead.pop(step, None)  # none at the first step, or after a restart
+    groups = (ahead or worker.rollout.collect_ahead(requests)).result()
+    return worker.rollout.refresh(groups, requests, worker.adapter, max_staleness=k)
+
+
+def _request_ahead(worker: Worker, step: int) -> None:
+    """Pipelined: request the groups of steps step+1 .. step+k not yet requested (the run's steps only)."""
+    last = min(step + worker.config.train.max_staleness, worker.config.train.num_steps - 1)
+    for ahead in range(step + 1, last + 1):
+        if ahead not in worker.ahead:
+            worker.ahead[ahead] = worker.rollout.collect_ahead(_requests(worker, ahead))
 
 
 def _work_metrics(worker: Worker, step: int, groups: list[ScoredGroup]) -> dict[str, float]:
@@ -153,6 +203,8 @@ def _work_metrics(worker: Worker, step: int, groups: list[ScoredGroup]) -> dict[
                             trained_steps=trained, cfg=traj.guidance_scale > 1, kl=train.kl_beta > 0,
                             branches=branches)["total"] / 1e12
     out = {"perf/useful_tflop": tflop,
+           "perf/rollout_busy_s": sum(s.trajectory.producer.get("seconds", 0.0) for s in groups),
+           "rollout/adapter_swap_s_max": max(s.trajectory.producer.get("adapter_swap_s", 0.0) for s in groups),
            "timing/reward_wait_s_max": max(0.0, max(s.scored_at for s in groups) - max(s.generated_at for s in groups))}
     if torch.cuda.is_available():
         out["memory/trainer_peak_gib_max"] = torch.cuda.max_memory_allocated() / 2**30
@@ -177,10 +229,15 @@ def _forward_flops(policy: Policy, traj) -> tuple[float, int]:
     return forward_flops(model, tokens, int(traj.prompt_mask.sum())), 2 if traj.do_cfg else 1
 
 
+def _gpus_by_side(cfg: RunConfig) -> dict[str, float]:
+    """GPUs the rollout replicas and the training workers hold (0 on CPUs)."""
+    return {"rollout_gpus": cfg.rollout.num_replicas * cfg.rollout.replica_num_gpus,
+            "trainer_gpus": cfg.cluster.num_workers * cfg.cluster.worker_num_gpus if cfg.cluster.use_gpu else 0.0}
+
+
 def _gpus(cfg: RunConfig) -> float:
     """GPUs the run holds: rollout replicas' and training workers' (0 on CPUs)."""
-    rollout = cfg.rollout.num_replicas * cfg.rollout.replica_num_gpus
-    return rollout + (cfg.cluster.num_workers * cfg.cluster.worker_num_gpus if cfg.cluster.use_gpu else 0.0)
+    return sum(_gpus_by_side(cfg).values())
 
 
 def _gather_rewards(groups: list[ScoredGroup]) -> dict:

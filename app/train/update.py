@@ -23,8 +23,11 @@ from app.types import Trajectory
 
 def train_pass(policy: Policy, optimizer: torch.optim.Optimizer, train: TrainConfig, *, step: int, epoch: int,
                trajectories: Sequence[Trajectory], advantages: Sequence[torch.Tensor], old: Sequence[torch.Tensor],
-               stats: Stats, mismatch: Stats) -> float:
+               stats: Stats, mismatch: Stats, policy_version: int | None = None) -> float:
     """One optimizer step over the groups; `advantages[g]` [n] and `old[g]` [n, T] belong to `trajectories[g]`.
+    policy_version: the adapter version the policy had when the step began; a group sampled by an earlier one
+    (pipelined training) is scored against its own log-probs, and its first-pass ratio measures how far the
+    policy has moved since, not a mismatch (`actor/ratio_dev_stale_max`). None: every group is the policy's.
     Returns the gradient norm before clipping."""
     optimizer.zero_grad(set_to_none=True)
     for traj, adv, old_lp in zip(trajectories, advantages, old, strict=True):
@@ -37,7 +40,9 @@ def train_pass(policy: Policy, optimizer: torch.optim.Optimizer, train: TrainCon
                 loss, terms = step_loss(policy, train, traj, i, samples, adv[samples], old_lp[samples, i])
                 (loss * weight * len(samples)).backward()
                 stats.add(terms, len(samples))
-                if epoch == 0:  # nothing has been updated yet: the trainer must score what the rollout did
+                if epoch == 0 and policy_version not in (None, traj.lora_version):
+                    stats.add({"actor/ratio_dev_stale_max": terms["actor/ratio_dev_max"]})
+                elif epoch == 0:  # nothing has been updated yet: the trainer must score what the rollout did
                     stats.add({"actor/ratio_dev_first_pass_max": terms["actor/ratio_dev_max"]})
                     if train.old_logprob == "rollout":
                         mismatch.add({"rollout/logprob_mismatch_max": terms["actor/log_ratio_abs_max"]})

@@ -17,6 +17,14 @@ def test_a_random_window_is_a_function_of_the_group_and_covers_every_start():
     assert len(set(windows)) > 1 and all(hi - lo == 2 for lo, hi in windows)
 
 
+def test_a_random_window_within_a_range_stays_in_it():
+    """Flow-GRPO-Fast's sde_window_range: a window of 2 in the steps [0, 5) of 10 starts at 0, 1, 2 or 3."""
+    windows = {place_window(10, 2, "random", seed=7, group=g, step=0, within=(0, 5)) for g in range(200)}
+    assert windows == {(0, 2), (1, 3), (2, 4), (3, 5)}
+    with pytest.raises(ValueError, match="within=\\(3, 4\\)"):
+        place_window(10, 2, "random", seed=0, group=0, step=0, within=(3, 4))
+
+
 def test_a_fixed_window_is_the_same_for_every_group_and_must_fit():
     assert {place_window(10, 3, "fixed", seed=0, group=g, step=g, start=4) for g in range(5)} == {(4, 7)}
     with pytest.raises(ValueError, match="starts at 7 at the latest"):

@@ -130,6 +130,36 @@ def test_publication_reaches_every_replica_and_changes_generations(served, tiny_
         assert torch.equal(t.latents, after[0].latents)  # every replica serves the same adapter
 
 
+def test_pipelined_groups_more_than_k_versions_behind_are_regenerated_never_trained_on(served, tiny_model_dir):
+    """Pipelined training (`train.max_staleness: 1`) against the real replicas: groups requested with no version
+    are sampled with the adapter the replicas have; two publications later the trainer (now at version 13) keeps
+    the groups one version behind and generates those two behind again with its own adapter, by name."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from app.models.lora import random_lora
+    from app.rollout.client import BlockingRolloutClient, RolloutClient
+
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
+    adapters = {v: random_lora(transformer, version=v, rank=4, target_modules=["to_q", "to_v"], seed=v, scale=0.5)
+                for v in (11, 12, 13)}
+    unpinned = [TINY.request(f"a sign that says {i}", n=2, seed=20 + i, group_id=i) for i in range(4)]
+    client = RolloutClient(served["rollout"], served["reward"], served["adapters"], retries=0)
+    with BlockingRolloutClient(client) as blocking:
+        blocking.publish(adapters[11])
+        old = blocking.collect_ahead(unpinned[:2]).result()  # generated while the trainer's step 11 ran
+        blocking.publish(adapters[12])
+        recent = blocking.collect_ahead(unpinned[2:]).result()
+        blocking.publish(adapters[13])
+        groups, regenerated = blocking.refresh(old + recent, unpinned, adapters[13], max_staleness=1)
+        fresh = blocking.collect_ahead([r.replace(lora_version=13) for r in unpinned[:2]]).result()
+    assert [g.trajectory.lora_version for g in old + recent] == [11, 11, 12, 12]
+    assert regenerated == 2 and [g.trajectory.lora_version for g in groups] == [13, 13, 12, 12]
+    assert groups[2:] == recent  # one version behind: trained as sampled
+    for kept, again, stale in zip(groups[:2], fresh, old, strict=True):
+        assert torch.equal(kept.trajectory.latents, again.trajectory.latents)  # exactly version 13's group
+        assert not torch.equal(kept.trajectory.latents, stale.trajectory.latents)
+
+
 def test_a_request_for_a_version_nobody_has_is_refused_and_the_replica_keeps_serving(served):
     from deployments.rollout import AdapterUnavailable
 

@@ -25,3 +25,35 @@ def test_adapters_switch_and_unload(diffusers_engine, aio, tiny_model_dir):
     assert (a.lora_version, b.lora_version, unloaded.lora_version) == (1, 2, 0)
     assert not torch.equal(a.latents, base.latents) and not torch.equal(b.latents, a.latents)
     assert torch.equal(unloaded.latents, base.latents)
+
+
+def test_an_adapter_published_mid_group_waits_for_the_next_group(diffusers_engine, aio, tiny_model_dir):
+    """Publishing never waits for generation: `load_lora` returns while a group is being sampled (the engine's lock
+    is still held when it does), that group finishes with the adapter it started with (the base model's exact
+    samples), and the next group applies the new one first (timed: `producer["adapter_swap_s"]`)."""
+    import threading
+    import time
+
+    request = GenerationRequest("a red cube", n=4, height=64, width=64, num_inference_steps=150, noise_level=0.7,
+                                sde_type="sde", seed=3)
+    base = aio(diffusers_engine.generate(request))
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
+    adapter = random_lora(transformer, version=4, rank=4, target_modules=["to_q"], seed=0, scale=0.5)
+    in_flight = {}
+    sampling = threading.Thread(target=lambda: in_flight.update(traj=diffusers_engine.sample(request)))
+    try:
+        sampling.start()
+        deadline = time.monotonic() + 30
+        while not diffusers_engine._lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert aio(diffusers_engine.load_lora(adapter)) == 4
+        assert diffusers_engine._lock.locked() and sampling.is_alive()  # returned while the group was sampled
+        assert diffusers_engine.lora_version == 4  # what a group started now gets
+        sampling.join(timeout=120)
+        after = aio(diffusers_engine.generate(request))
+    finally:
+        aio(diffusers_engine.load_lora(None))
+    first = in_flight["traj"]
+    assert first.lora_version == 0 and torch.equal(first.latents, base.latents)
+    assert after.lora_version == 4 and not torch.equal(after.latents, base.latents)
+    assert after.producer["adapter_swap_s"] > 0 and first.producer["adapter_swap_s"] == 0

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.rewards import RewardScores
-from app.rollout.client import BlockingRolloutClient, GroupFailed, RolloutClient
+from app.rollout.client import BlockingRolloutClient, GroupFailed, RolloutClient, ScoredGroup
 
 
 class _Method:
@@ -154,3 +154,56 @@ def test_requests_must_ask_for_the_adapter_given():
     client = RecordingClient(StubRollout(trajectory), StubReward(), retries=0, retry_delay_s=0)
     with pytest.raises(ValueError, match="adapter version 0"):
         asyncio.run(client.collect_on_policy(versioned(2, 5), None))
+
+
+def test_pipelined_groups_more_than_k_versions_old_are_regenerated_with_the_current_adapter():
+    """Pipelined training at adapter version 5 with max_staleness 1: groups of versions 5 and 4 are trained as
+    they are; a group of version 3 (two behind) and one of version 6 (a version this policy never had: a replica
+    still serving another run's adapter) are generated again, asking for version 5 by name."""
+    sampled = {0: 5, 1: 4, 2: 3, 3: 6}
+    asked = []
+
+    def replica(request):
+        asked.append((request.group_id, request.lora_version))
+        return trajectory(request, version=request.lora_version)
+
+    unpinned = [SimpleNamespace(group_id=i, prompt=f"prompt {i}", lora_version=None,
+                                replace=lambda i=i, **kw: SimpleNamespace(group_id=i, prompt=f"prompt {i}", **kw))
+                for i in range(4)]
+    client = RecordingClient(StubRollout(replica), StubReward(), retries=0, retry_delay_s=0)
+    first = [ScoredGroup(i, trajectory(r, version=sampled[i]), RewardScores(total=[0.0, 0.0]), 0.0, 0.0)
+             for i, r in enumerate(unpinned)]
+    with BlockingRolloutClient(client) as blocking:
+        groups, regenerated = blocking.refresh(first, unpinned, SimpleNamespace(version=5), max_staleness=1)
+    assert regenerated == 2 and client.published == [5] and sorted(asked) == [(2, 5), (3, 5)]
+    assert [g.trajectory.lora_version for g in groups] == [5, 4, 5, 5]
+    assert groups[1] is first[1] and groups[2] is not first[2]  # the stale one is replaced, never returned
+    with BlockingRolloutClient(client) as blocking:  # on-policy (k = 0): only version 5 stays
+        _, regenerated = blocking.refresh(first, unpinned, SimpleNamespace(version=5), max_staleness=0)
+    assert regenerated == 3
+
+
+def test_collect_ahead_runs_while_the_caller_works_and_close_cancels_what_is_left():
+    import threading
+
+    release = threading.Event()
+
+    def slow(request):
+        if request.group_id == 1:
+            release.wait(timeout=30)  # group 1 generates until the caller lets it finish
+        return trajectory(request)
+
+    client = RolloutClient(StubRollout(slow), StubReward(), retries=0, retry_delay_s=0)
+    blocking = BlockingRolloutClient(client)
+    ahead = blocking.collect_ahead(requests(2))
+    assert not ahead.done()  # the caller goes on (trains) while the groups generate
+    release.set()
+    assert [g.trajectory.group_id for g in ahead.result(timeout=30)] == [0, 1]
+
+    async def forever(request):  # a group still generating when the run ends
+        await asyncio.sleep(3600)
+
+    client.rollout = SimpleNamespace(generate=SimpleNamespace(remote=forever))
+    never = blocking.collect_ahead(requests(1))
+    blocking.close()
+    assert never.cancelled()
