@@ -318,7 +318,9 @@ class Progress:
         eta = (time.perf_counter() - self.started) / done * (self.total - step - 1)
         reward, loss = metrics["reward/mean"], metrics["actor/loss"]
         ratio_dev, mismatch = metrics["actor/ratio_dev_first_pass_max"], metrics["rollout/logprob_mismatch_max"]
+        stale = metrics.get("actor/ratio_dev_stale_max", 0.0)  # groups of an earlier adapter (pipelined)
         print(f"[flowgrpo] step {step + 1}/{self.total}  reward {reward:+.4f}  loss {loss:+.2e}  "
-              f"|ratio-1| first pass {ratio_dev:.1e}  logprob mismatch {mismatch:.1e}  "
+              f"|ratio-1| first pass {ratio_dev:.1e}{f' (stale groups {stale:.1e})' if stale else ''}  "
+              f"logprob mismatch {mismatch:.1e}  "
               f"staleness {metrics['rollout/staleness_max']:.0f}  {metrics['timing/step_s']:.1f}s/step  eta {eta:.0f}s",
               file=sys.__stdout__, flush=True)  # the real stdout: Ray Train's print patch would log it twice

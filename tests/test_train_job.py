@@ -93,3 +93,24 @@ def test_kl_off_policy_passes_and_recomputed_old_log_probs_run_under_fsdp2(tmp_p
         assert r["rollout/logprob_mismatch_max"] <= 1e-5 and r["actor/ratio_dev_first_pass_max"] <= 1e-5
         assert r["actor/ratio_dev_max"] > 1e-6  # the second pass scores an updated policy: ratio != 1
         assert r["actor/kl"] > 0  # after the first optimizer step the adapter moves away from the reference
+
+
+def test_a_pipelined_run_with_an_sde_window_trains_on_groups_at_most_one_version_old(tmp_path):
+    """`train.max_staleness=1` with a window of 2 of the 4 steps, as a user runs it (vllm-omni replicas, 2 FSDP2
+    workers): step 1 trains on the base model's groups (exact log-probs), every later step on groups sampled while
+    the step before trained, exactly one adapter version old; none is regenerated; the policy has moved since
+    (first-pass ratios of those groups differ from 1); the run ends with its last adapter checkpointed."""
+    run_dir = tmp_path / "run"
+    done = run_job(f"logging.dir={run_dir}", "train.num_steps=5", "train.checkpoint_every=0",
+                   "train.max_staleness=1", "rollout.sde_window.size=2", "rollout.sde_window.range=[0,3]")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "pipelined: the next 1 step(s) generate while one trains" in done.stdout
+    records = history(run_dir)
+    assert [r["rollout/staleness_max"] for r in records] == [0, 1, 1, 1, 1]
+    assert [r["rollout/staleness_mean"] for r in records] == [0, 1, 1, 1, 1]
+    assert all(r["rollout/regenerated_groups"] == 0 and r["rollout/images"] == 16 for r in records)
+    assert records[0]["rollout/logprob_mismatch_max"] <= 1e-5 and records[0]["actor/ratio_dev_first_pass_max"] <= 1e-5
+    assert all(r["actor/ratio_dev_stale_max"] > 1e-6 for r in records[1:])  # scored by a policy one update on
+    assert all(math.isfinite(r["actor/loss"]) and 0 <= r["perf/rollout_busy_share"] <= 1 for r in records)
+    state = json.loads((run_dir / "checkpoints" / "checkpoint_step_000005" / "trainer_state.json").read_text())
+    assert state["adapter_version"] == 5
