@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=8, help="prompt groups per timed pass")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per mode (median reported)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
     config = load(args.config, args.overrides)
     result = asyncio.run(bench(config, args.groups, args.repeats))
     emit_json_line(result)

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed passes (median reported)")
     parser.add_argument("--profile", help="write the GPU time by kind of kernel of one more pass to this JSON file")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
     emit_json_line(bench(load(args.config, args.overrides), args.groups, args.repeats, args.profile))
     return 0
 

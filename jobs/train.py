@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="continue the run in logging.dir from its latest checkpoint")
     parser.add_argument("--keep-serving", action="store_true",
                         help="leave the rollout/reward Serve application running after training")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides before or after the options
 
 
 def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
