@@ -33,6 +33,27 @@ def attach_lora(transformer, adapter: LoraAdapter, adapter_name: str = ADAPTER_N
         raise ValueError(f"LoRA tensors do not match the transformer: {result.unexpected_keys[:3]}")
 
 
+def copy_into_lora(transformer, adapter: LoraAdapter, adapter_name: str = ADAPTER_NAME) -> bool:
+    """Overwrite the existing peft adapter `adapter_name` with `adapter`'s tensors in one fused copy (no walk over
+    the model, no per-tensor Python: a republished adapter's swap is a device copy). False, with nothing
+    changed, when the adapter does not have exactly those tensors (rank, targets): `attach_lora` then."""
+    params = {name: p for name, p in transformer.named_parameters() if f".{adapter_name}." in name}
+    targets = []
+    for key, tensor in adapter.tensors.items():
+        name = transformer_key(key)
+        for part in (".lora_A.", ".lora_B."):  # peft names a parameter after its adapter
+            name = name.replace(part, f"{part}{adapter_name}.")
+        param = params.get(name)
+        if param is None or param.shape != tensor.shape:
+            return False
+        targets.append((param, tensor))
+    if len(targets) != len(params):
+        return False
+    with torch.no_grad():
+        torch._foreach_copy_([p for p, _ in targets], [t for _, t in targets])
+    return True
+
+
 def export_lora(transformer, *, version: int, adapter_name: str = ADAPTER_NAME) -> LoraAdapter:
     """The adapter's tensors (detached CPU copies, peft/diffusers names) as a versioned `LoraAdapter`."""
     from peft import get_peft_model_state_dict

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from app.models.lora import ADAPTER_NAME, attach_lora, transformer_key
+from app.models.lora import ADAPTER_NAME, attach_lora, copy_into_lora, transformer_key
 from app.rollout.seeding import draw_seed
 from app.types import GenerationRequest, LoraAdapter, Trajectory
 
@@ -122,10 +122,12 @@ class LocalEngine:
                 module.disable_adapters()
             self._lora_version = 0
             return time.perf_counter() - started
-        if current is not None and (current.r, current.lora_alpha, sorted(current.target_modules)) != (
-                adapter.rank, adapter.alpha, sorted(adapter.target_modules)):
+        same = current is not None and (current.r, current.lora_alpha, sorted(current.target_modules)) == (
+            adapter.rank, adapter.alpha, sorted(adapter.target_modules))
+        if current is not None and not same:
             module.delete_adapters(ADAPTER_NAME)  # a different rank/targets: start a fresh adapter
-        attach_lora(module, adapter, ADAPTER_NAME)
+        if not (same and copy_into_lora(module, adapter, ADAPTER_NAME)):  # the next version: a device copy
+            attach_lora(module, adapter, ADAPTER_NAME)
         module.enable_adapters()
         module.set_adapter(ADAPTER_NAME)
         self._lora_version = adapter.version
