@@ -234,20 +234,24 @@ def throughput(metrics: dict[str, float], *, useful_tflop: float, gpus: float) -
     return out
 
 
-def busy_shares(metrics: dict[str, float], *, rollout_busy_s: float, replicas: int, rollout_gpus: float,
-                trainer_gpus: float) -> dict[str, float]:
+def busy_shares(metrics: dict[str, float], *, rollout_busy_s: float, replicas: int, replica_gpus: float,
+                workers: int, worker_gpus: float) -> dict[str, float]:
     """How much of a step the rollout replicas and the trainer spent computing, from `timing/step_s`, the trainer's
     `timing/train_s` (+ `recompute_s`) and the engines' seconds for the groups trained (`rollout_busy_s`, over all
-    replicas; with a pipelined loop they were generated during earlier steps, which evens out over a run). On GPUs,
-    `perf/gpu_idle_share`: the share of the GPU time the run holds in which its holder computed nothing (each
-    process weighed by the GPUs it holds; replicas and trainer sharing one GPU overlap, so there it over-counts)."""
+    replicas; with a pipelined loop they were generated during earlier steps, which evens out over a run).
+
+    On GPUs, `perf/gpu_idle_share`: the share of the run's GPU time (whole GPUs: replicas and workers holding
+    fractions share them) in which no process computed. A process computing occupies the whole GPUs it holds part
+    of; two sharing a GPU are assumed not to overlap (a pipelined run's contention counts as use, so 0 there is a
+    floor, not a measurement)."""
     step = metrics["timing/step_s"]
     rollout = min(1.0, rollout_busy_s / max(1, replicas) / step)
     trainer = min(1.0, (metrics.get("timing/train_s", 0.0) + metrics.get("timing/recompute_s", 0.0)) / step)
     out = {"perf/rollout_busy_share": rollout, "perf/trainer_busy_share": trainer}
-    held = rollout_gpus + trainer_gpus
+    held = math.ceil(replicas * replica_gpus + workers * worker_gpus - 1e-9)
     if held > 0:
-        out["perf/gpu_idle_share"] = 1 - (rollout * rollout_gpus + trainer * trainer_gpus) / held
+        used = rollout * replicas * math.ceil(replica_gpus) + trainer * workers * math.ceil(worker_gpus)
+        out["perf/gpu_idle_share"] = max(0.0, 1 - used / held)
     return out
 
 

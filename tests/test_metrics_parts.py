@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from app.metrics import PhaseTimer, Stats, throughput
+from app.metrics import PhaseTimer, Stats, busy_shares, throughput
 
 
 def test_stats_weighted_means_and_extremes():
@@ -33,3 +33,17 @@ def test_throughput_and_mfu_of_a_step():
         "perf/images_per_s": 8.0, "perf/useful_tflop": 989.0, "perf/images_per_s_per_gpu": 4.0,
         "perf/mfu": pytest.approx(989e12 / (2 * 989e12 * 4.0))}
     assert set(throughput(step, useful_tflop=1.0, gpus=0)) == {"perf/images_per_s", "perf/useful_tflop"}
+
+
+def test_busy_shares_and_gpu_idle_share_by_hand():
+    """A 40 s step: the trainer trains 18 s (0.45 of it), the one replica generated for 14 s (0.35).
+    On two GPUs, one each: 0.8 GPU-steps of 2 used, idle 0.6. Sharing one GPU (0.5 + 0.5): 0.8 of 1, idle 0.2.
+    On CPUs: the shares only."""
+    step = {"timing/step_s": 40.0, "timing/train_s": 18.0}
+    two = busy_shares(step, rollout_busy_s=14.0, replicas=1, replica_gpus=1, workers=1, worker_gpus=1)
+    shared = busy_shares(step, rollout_busy_s=14.0, replicas=1, replica_gpus=0.5, workers=1, worker_gpus=0.5)
+    cpu = busy_shares(step, rollout_busy_s=14.0, replicas=1, replica_gpus=0, workers=2, worker_gpus=0)
+    assert two == pytest.approx({"perf/rollout_busy_share": 0.35, "perf/trainer_busy_share": 0.45,
+                                 "perf/gpu_idle_share": 0.6})
+    assert shared["perf/gpu_idle_share"] == pytest.approx(0.2)
+    assert cpu == pytest.approx({"perf/rollout_busy_share": 0.35, "perf/trainer_busy_share": 0.45})

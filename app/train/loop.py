@@ -151,7 +151,9 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
            "rollout/images": float(sum(len(r.total) for r in rewards.values())), **timer.metrics()}
     out.update(throughput(out, useful_tflop=out.pop("perf/useful_tflop") * worker.world, gpus=_gpus(cfg)))
     out.update(busy_shares(out, rollout_busy_s=out.pop("perf/rollout_busy_s") * worker.world,
-                           replicas=cfg.rollout.num_replicas, **_gpus_by_side(cfg)))
+                           replicas=cfg.rollout.num_replicas, replica_gpus=cfg.rollout.replica_num_gpus,
+                           workers=cfg.cluster.num_workers,
+                           worker_gpus=cfg.cluster.worker_num_gpus if cfg.cluster.use_gpu else 0.0))
     if _log_images_now(cfg, step):  # rank 0's log draws them
         images = np.concatenate([s.trajectory.images.numpy() for s in groups])
         worker.log.log_images(step + 1, images, [s.trajectory.prompt for s in groups],
@@ -229,15 +231,10 @@ def _forward_flops(policy: Policy, traj) -> tuple[float, int]:
     return forward_flops(model, tokens, int(traj.prompt_mask.sum())), 2 if traj.do_cfg else 1
 
 
-def _gpus_by_side(cfg: RunConfig) -> dict[str, float]:
-    """GPUs the rollout replicas and the training workers hold (0 on CPUs)."""
-    return {"rollout_gpus": cfg.rollout.num_replicas * cfg.rollout.replica_num_gpus,
-            "trainer_gpus": cfg.cluster.num_workers * cfg.cluster.worker_num_gpus if cfg.cluster.use_gpu else 0.0}
-
-
 def _gpus(cfg: RunConfig) -> float:
     """GPUs the run holds: rollout replicas' and training workers' (0 on CPUs)."""
-    return sum(_gpus_by_side(cfg).values())
+    rollout = cfg.rollout.num_replicas * cfg.rollout.replica_num_gpus
+    return rollout + (cfg.cluster.num_workers * cfg.cluster.worker_num_gpus if cfg.cluster.use_gpu else 0.0)
 
 
 def _gather_rewards(groups: list[ScoredGroup]) -> dict:
