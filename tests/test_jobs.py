@@ -45,3 +45,15 @@ def test_bench_train_step_prints_one_json_line(tmp_path):
     assert result["images"] == 4 and result["trained_steps"] >= 1
     profile = json.loads((tmp_path / "profile.json").read_text())  # GPU kernels only: none on a CPU
     assert profile["micro_step_s"] > 0 and profile["images"] == 4 and profile["gpu_s_total"] == 0
+
+
+def test_bench_publish_swap_prints_one_json_line():
+    """The replica-side swap benchmark on one block of the real width: the first adapter, peft's path and the
+    fused copy the engines use, for the recipe's adapter (12 targets, A and B each: 24 tensors)."""
+    done = subprocess.run([sys.executable, "-m", "jobs.bench_publish", "--swap", "--layers", "1", "--rank", "4",
+                           "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(line)
+    assert result["tensors"] == 24 and result["layers"] == 1
+    assert result["first_attach_s"] > 0 and result["peft_set_state_dict_s"] > 0 and result["fused_copy_s"] > 0
