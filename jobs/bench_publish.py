@@ -120,12 +120,12 @@ def bench_swap(layers: int, rank: int, repeats: int) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - began
 
-    first = timed(lambda: attach_lora(transformer, versions[0]))
-    peft = [timed(lambda v=v: attach_lora(transformer, versions[v % 2])) for v in range(1, repeats + 1)]
     def fused_swap(adapter):
         if not copy_into_lora(transformer, adapter):
             raise RuntimeError("copy_into_lora refused an adapter of the same rank and targets")
 
+    first = timed(lambda: attach_lora(transformer, versions[0]))
+    peft = [timed(lambda v=v: attach_lora(transformer, versions[v % 2])) for v in range(1, repeats + 1)]
     fused = [timed(lambda v=v: fused_swap(versions[v % 2])) for v in range(1, repeats + 1)]
     return {"bench": "adapter_swap", "device": torch.cuda.get_device_name() if cuda else "cpu", "layers": layers,
             "parameters": sum(v.numel() for v in versions[0].tensors.values()),

