@@ -18,6 +18,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from app.image_size import side_problem
+from app.models.family import FAMILY_NAMES, all_engines, get_family
 from app.rewards.composite import REWARD_NAMES
 from app.rewards.ocr import DETECT_MIN_SIDE
 
@@ -26,9 +27,9 @@ if TYPE_CHECKING:
 
 
 # Enumerated choices: OmegaConf refuses any other value and names the key; members compare equal to their strings.
-class ModelFamily(StrEnum):
-    qwen_image = "qwen_image"  # a diffusers Qwen-Image checkpoint (model_index.json)
-    bagel = "bagel"  # a BAGEL-7B-MoT checkpoint (config.json, llm_config.json, ema.safetensors, ae.safetensors)
+# model families (app/models/family.py's registry) and the rollout engines they run on: declared by the families
+ModelFamily = StrEnum("ModelFamily", {name: name for name in FAMILY_NAMES})
+ModelFamily.__doc__ = "A folder of app/models/ (qwen_image: a diffusers Qwen-Image checkpoint; bagel: BAGEL-7B-MoT)."
 
 
 class DType(StrEnum):
@@ -37,24 +38,8 @@ class DType(StrEnum):
     float16 = "float16"
 
 
-class Engine(StrEnum):
-    """What a rollout replica runs: vllm-omni, or the family's reference engine (where vllm is not installed)."""
-
-    vllm_omni = "vllm_omni"
-    diffusers = "diffusers"  # Qwen-Image on plain diffusers components
-    bagel = "bagel"  # BAGEL in pure torch (app/models/bagel.py), the model the trainer differentiates
-
-
-# the engines each family runs on, and the LoRA targets of its trained modules
-FAMILY_ENGINES = {ModelFamily.qwen_image: (Engine.vllm_omni, Engine.diffusers),
-                  ModelFamily.bagel: (Engine.vllm_omni, Engine.bagel)}
-FAMILY_LORA_TARGETS = {
-    ModelFamily.qwen_image: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
-                             "to_add_out"],
-    # the generation expert of every layer (app/models/bagel.py GENERATION_TARGETS)
-    ModelFamily.bagel: ["q_proj_moe_gen", "k_proj_moe_gen", "v_proj_moe_gen", "o_proj_moe_gen",
-                        "mlp_moe_gen.gate_proj", "mlp_moe_gen.up_proj", "mlp_moe_gen.down_proj"],
-}
+# what a rollout replica runs: vllm-omni, or the family's in-process engine (where vllm is not installed)
+Engine = StrEnum("Engine", {name: name for name in all_engines()})
 
 
 class SdeType(StrEnum):
@@ -78,7 +63,7 @@ class AdvStdMode(StrEnum):
 
 
 class CfgRenorm(StrEnum):
-    """BAGEL's renormalisation of the guided velocity (app/models/bagel.py combine_cfg)."""
+    """BAGEL's renormalisation of the guided velocity (app/models/bagel/model.py combine_cfg)."""
 
     global_ = "global"
     channel = "channel"
@@ -103,8 +88,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    # model family adapter in app/models/ (how prompts are encoded and latents packed)
-    family: ModelFamily = ModelFamily.qwen_image
+    # model family: a folder of app/models/ (its denoiser, conditioning, LoRA targets, checkpoint layout)
+    family: ModelFamily = ModelFamily("qwen_image")
     # checkpoint folder: diffusers layout for qwen_image (model_index.json), BAGEL-7B-MoT layout for bagel
     path: str = MISSING
     # build a deterministic tiny random checkpoint at `path` when it is absent (tests, CPU demo); never downloads
@@ -113,7 +98,7 @@ class ModelConfig:
     tiny_seed: int = 0
     # compute dtype of the transformer for rollout and training; the SDE math is fp32 regardless
     dtype: DType = DType.bfloat16
-    # LoRA of the transformer trained by FlowGRPO; no target modules: the family's (FAMILY_LORA_TARGETS)
+    # LoRA of the transformer trained by FlowGRPO; no target modules: the family's (`ModelFamily.lora_targets`)
     lora_rank: int = 32
     lora_alpha: int = 64
     lora_target_modules: list[str] | None = None
@@ -121,7 +106,7 @@ class ModelConfig:
     @property
     def lora_targets(self) -> list[str]:
         """The LoRA's target modules: `lora_target_modules`, or the family's."""
-        return list(self.lora_target_modules or FAMILY_LORA_TARGETS[ModelFamily(self.family)])
+        return list(self.lora_target_modules or get_family(self.family).lora_targets)
 
 
 @dataclass
@@ -357,10 +342,9 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     """The sections a Serve application is built from (a RunConfig has them too)."""
     model, rollout, reward, serve = config.model, config.rollout, config.reward, config.serve
     _require(model.lora_rank >= 1, f"model.lora_rank={model.lora_rank} must be >= 1")
-    engines = FAMILY_ENGINES[model.family]
+    engines = get_family(model.family).engines
     _require(rollout.engine in engines,
-             f"rollout.engine={rollout.engine} cannot run model.family={model.family}: use one of "
-             f"{[str(e) for e in engines]}")
+             f"rollout.engine={rollout.engine} cannot run model.family={model.family}: use one of {list(engines)}")
     lo_hi = rollout.cfg_interval
     _require(len(lo_hi) == 2 and 0 <= lo_hi[0] < lo_hi[1] <= 1,
              f"rollout.cfg_interval={list(lo_hi)} must be [lo, hi] with 0 <= lo < hi <= 1")
@@ -448,10 +432,11 @@ def _check_run(config: RunConfig) -> None:
     _require(train.learning_rate >= 0, f"train.learning_rate={train.learning_rate} must be >= 0")
     _require(rollout.noise_level > 0 or train.num_steps == 0,
              "rollout.noise_level=0 samples the deterministic ODE: there is nothing to train; set it > 0")
-    _require(not (config.model.family == ModelFamily.bagel and rollout.engine == Engine.vllm_omni)
-             or train.old_logprob == OldLogprob.recompute,
-             "rollout.engine=vllm_omni runs BAGEL in bf16 (hard-coded in vllm-omni), so its log-probs are not the "
-             "trainer's: set train.old_logprob=recompute (or rollout.engine=bagel, which matches exactly)")
+    exact = get_family(config.model.family).exact_engines
+    _require(rollout.engine in exact or train.old_logprob == OldLogprob.recompute,
+             f"rollout.engine={rollout.engine} does not reproduce the trainer's log-probs of model.family="
+             f"{config.model.family} exactly: set train.old_logprob=recompute (or rollout.engine={exact[0]}, "
+             "which matches exactly)")
 
 
 def _format_omegaconf_error(err: OmegaConfBaseException, source: str) -> str:

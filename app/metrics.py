@@ -269,6 +269,11 @@ def _extreme(key: str) -> str | None:
     return key.rsplit("_", 1)[-1] if key.endswith(("_max", "_min")) else None
 
 
+def _reduction(key: str) -> str | None:
+    """How a metric combines over workers: its extreme, "sum" for `..._sum`, None for the mean."""
+    return "sum" if key.endswith("_sum") else _extreme(key)
+
+
 class Stats:
     """Weighted means of metrics; keys ending in `_max`/`_min` keep the extreme instead (`_extreme`)."""
 
@@ -291,14 +296,15 @@ class Stats:
 
 
 def reduce_over_workers(metrics: dict[str, float], world: int) -> dict[str, float]:
-    """Means over workers (each worker has the same number of terms), max/min for `_max`/`_min` keys (a collective:
-    every rank calls it with the same keys)."""
+    """Means over workers (each worker has the same number of terms), max/min/sum for `_max`/`_min`/`_sum` keys
+    (a `_sum` key loses its suffix: it is the whole step's) (a collective: every rank calls it with the same keys)."""
     import torch
     import torch.distributed as dist
 
     out = {}
-    for kind, op in [("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN), (None, dist.ReduceOp.SUM)]:
-        chosen = sorted(k for k in metrics if _extreme(k) == kind)  # the same keys in the same order on every rank
+    for kind, op in [("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN), ("sum", dist.ReduceOp.SUM),
+                     (None, dist.ReduceOp.SUM)]:
+        chosen = sorted(k for k in metrics if _reduction(k) == kind)  # the same keys in the same order on every rank
         if not chosen:
             continue
         # NCCL reduces GPU tensors only
@@ -307,7 +313,8 @@ def reduce_over_workers(metrics: dict[str, float], world: int) -> dict[str, floa
         dist.all_reduce(values, op=op)
         if kind is None:
             values /= world
-        out.update(zip(chosen, values.cpu().tolist(), strict=True))
+        names = [k.removesuffix("_sum") for k in chosen] if kind == "sum" else chosen
+        out.update(zip(names, values.cpu().tolist(), strict=True))
     return out
 
 

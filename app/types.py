@@ -198,7 +198,7 @@ class Trajectory:
     prompt_mask: torch.Tensor | None = None
     negative_prompt_embeds: torch.Tensor | None = None
     negative_prompt_mask: torch.Tensor | None = None
-    # BAGEL: what the context is rebuilt from (app/models/bagel_context.py: token ids, an edit's encoded image)
+    # BAGEL: what the context is rebuilt from (app/models/bagel/context.py: token ids, an edit's encoded image)
     conditioning: dict[str, torch.Tensor] = field(default_factory=dict)
     # BAGEL's guidance settings as sampled (GenerationRequest's)
     image_guidance_scale: float = 1.0

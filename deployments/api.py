@@ -28,8 +28,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.config import ModelFamily, RolloutConfig, SdeType, ServeConfig
+from app.config import RolloutConfig, SdeType, ServeConfig
 from app.image_size import side_problem
+from app.models.family import get_family
 from app.types import MAX_SEED, GenerationRequest, Trajectory
 
 
@@ -147,13 +148,13 @@ def _decode_image(raw: bytes, param: str, max_bytes: int) -> np.ndarray:
 
 class ApiIngress:
     def __init__(self, rollout, reward, adapters=None, *, sampling: RolloutConfig | None = None,
-                 limits: ServeConfig | None = None, family: str = ModelFamily.qwen_image):
+                 limits: ServeConfig | None = None, family: str = "qwen_image"):
         """rollout, reward, adapters: DeploymentHandles; a request that leaves a sampling setting out gets
         `sampling`'s (the rollout section); `limits`: what one request may ask for (the serve section); `family`:
         the served model's (edits need BAGEL)."""
         self.rollout, self.reward, self.adapters = rollout, reward, adapters
         self.sampling, self.limits = sampling or RolloutConfig(), limits or ServeConfig()
-        self.family = str(family)
+        self.family = get_family(family)
 
     def _generation_request(self, body: ImageGenerationBody, **extra) -> GenerationRequest:
         lim, d = self.limits, self.sampling
@@ -183,9 +184,9 @@ class ApiIngress:
 
     @app.post("/v1/images/edits", openapi_extra=EDIT_FORM_SCHEMA)
     async def edit_images(self, form: Annotated[ImageEditForm, Form(media_type="multipart/form-data")]) -> dict:
-        if self.family != ModelFamily.bagel:
-            raise ApiError(400, f"this deployment serves {self.family}, which generates from text only: edits need "
-                                "a model.family=bagel deployment", "image")
+        if not self.family.supports_edits:
+            raise ApiError(400, f"this deployment serves {self.family.name}, which generates from text only: edits "
+                                "need a deployment of a family that edits (BAGEL)", "image")
         raw = await form.image.read(self.limits.max_image_bytes + 1)
         image = torch.from_numpy(_decode_image(raw, "image", self.limits.max_image_bytes))
         extra = {"image": image}

@@ -55,9 +55,9 @@ def build_app(args: Mapping | AppConfig) -> Application:
     model = dataclasses.replace(config.model, path=str(Path(config.model.path).expanduser().resolve()))
     rollout, reward, settings = config.rollout, config.reward, config.serve
     if model.build_tiny:
-        from app.models.checkpoints import build_tiny
+        from app.models.family import get_family
 
-        build_tiny(model.family, model.path, seed=model.tiny_seed)  # here, once, before any replica starts
+        get_family(model.family).build_tiny(model.path, seed=model.tiny_seed)  # here, once, before any replica starts
     log_level = str(settings.log_level or LogLevel.INFO)
     env = {"env_vars": {**_SINGLE_THREAD_ENV, **replica_env(log_level)}}
     logging_config = {"log_level": log_level, "enable_access_log": log_level in ("DEBUG", "INFO")}

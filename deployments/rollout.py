@@ -7,27 +7,15 @@ import asyncio
 import os
 import socket
 
-from app.config import Engine, ModelConfig, RolloutConfig
+from app.config import ModelConfig, RolloutConfig
 from app.faults import crash_point
+from app.models.family import get_family
 from app.types import GenerationRequest, LoraAdapter, PackedLora, Trajectory
 
 
 def make_engine(model: ModelConfig, rollout: RolloutConfig):
-    """The engine `rollout.engine` names, for the checkpoint at `model.path`."""
-    if rollout.engine == Engine.vllm_omni:
-        from app.rollout.vllm_omni.engine import VllmOmniEngine
-
-        return VllmOmniEngine(model.path, family=model.family, dtype=model.dtype,
-                              batched_groups=rollout.batched_groups, max_num_seqs=rollout.max_num_seqs)
-    if rollout.engine == Engine.diffusers:
-        from app.rollout.diffusers_engine import DiffusersEngine
-
-        return DiffusersEngine(model.path, dtype=model.dtype)
-    if rollout.engine == Engine.bagel:
-        from app.rollout.bagel_engine import BagelEngine
-
-        return BagelEngine(model.path, dtype=model.dtype)
-    raise ValueError(f"rollout.engine={rollout.engine!r} is not one of {[e.value for e in Engine]}")
+    """The engine `rollout.engine` names among the family's engines, for the checkpoint at `model.path`."""
+    return get_family(model.family).engine_class(rollout.engine).from_config(model, rollout)
 
 
 def _replica_id() -> str:

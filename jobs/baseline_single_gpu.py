@@ -20,8 +20,9 @@ import time
 import torch
 
 from app.algo.advantages import step_advantages
+from app.algo.timesteps import trained_steps
 from app.config import load
-from app.flops import MMDiT, forward_flops, mfu, step_flops
+from app.flops import group_flops, mfu
 from app.metrics import PhaseTimer, Stats
 from app.rewards import build_reward
 from app.rollout.diffusers_engine import DiffusersEngine
@@ -42,7 +43,6 @@ def run(config, steps: int) -> dict:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
     reward = build_reward(config.reward.weights, {"ocr": {"detect_min_side": config.reward.ocr_detect_min_side}})
     prompts = load_prompts(config.data.prompts)
-    transformer_shape = MMDiT.from_config(engine.pipe.transformer.config)
     records = []
     for step in range(steps):
         timer = PhaseTimer()
@@ -66,13 +66,15 @@ def run(config, steps: int) -> dict:
                 torch.cuda.synchronize()
         times = timer.metrics()
         images = sum(t.group_size for t in trajectories)
-        trained = max(1, round(train.timestep_fraction * rollout.num_inference_steps)) * train.num_inner_epochs
-        forward = forward_flops(transformer_shape, trajectories[0].latents.shape[2],
-                                int(trajectories[0].prompt_mask.sum()))
-        flops = step_flops(forward, images=images, num_inference_steps=rollout.num_inference_steps,
-                           trained_steps=trained, cfg=rollout.guidance_scale > 1, kl=train.kl_beta > 0)["total"]
+        # the Ray loop's count (app/train/loop.py): each group's trained steps (its SDE window's), every epoch
+        trained = [train.num_inner_epochs * len(trained_steps(t.stochastic_steps, train.timestep_fraction,
+                                                              seed=train.seed, step=step, group=t.group_id, epoch=0))
+                   for t in trajectories]
+        flops = sum(group_flops(policy.family, policy.transformer.config, t, trained_steps=k,
+                                kl=train.kl_beta > 0)["total"] for t, k in zip(trajectories, trained, strict=True))
         record = {"step": step + 1, "reward_mean": statistics.fmean(x for v in totals.values() for x in v),
-                  "grad_norm": grad_norm, "images": images, **times, "timing/reward_s": reward_s,
+                  "grad_norm": grad_norm, "images": images, "trained_steps": max(trained), **times,
+                  "timing/reward_s": reward_s,
                   "logprob_mismatch_max": mismatch.result().get("rollout/logprob_mismatch_max"),
                   "useful_tflop": flops / 1e12, "mfu": mfu(flops, times["timing/step_s"], 1)}
         if torch.cuda.is_available():
@@ -85,7 +87,7 @@ def run(config, steps: int) -> dict:
         "bench": "baseline_single_gpu", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "steps": steps, "steps_averaged": len(measured), "images_per_step": records[-1]["images"],
         "size": f"{rollout.width}x{rollout.height}", "num_inference_steps": rollout.num_inference_steps,
-        "cfg": rollout.guidance_scale, "trained_steps": trained, "lora_rank": model.lora_rank,
+        "cfg": rollout.guidance_scale, "trained_steps": records[-1]["trained_steps"], "lora_rank": model.lora_rank,
         "step_s": round(step_s, 2),
         **{k: round(statistics.fmean(r[f"timing/{k}_s"] for r in measured), 2) for k in ("rollout", "train")},
         "reward_s": round(statistics.fmean(r["timing/reward_s"] for r in measured), 2),

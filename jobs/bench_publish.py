@@ -96,8 +96,8 @@ async def bench(layers: int, rank: int, replicas: int, repeats: int) -> dict:
 def bench_swap(layers: int, rank: int, repeats: int) -> dict:
     from diffusers import QwenImageTransformer2DModel
 
-    from app.models.full_random import TRANSFORMER
     from app.models.lora import attach_lora, copy_into_lora
+    from app.models.qwen_image.real_size import TRANSFORMER
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

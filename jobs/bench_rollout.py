@@ -18,12 +18,11 @@ import sys
 import time
 
 import torch
-from diffusers import QwenImageTransformer2DModel
 from tqdm import tqdm
 
 from app.config import load
-from app.flops import MMDiT, forward_flops, mfu, step_flops
-from app.models.tiny import build_tiny_qwen_image
+from app.flops import group_flops, mfu
+from app.models.family import get_family
 from deployments.rollout import make_engine
 from jobs.report import emit_json_line
 
@@ -41,8 +40,9 @@ async def _timed(label: str, run, requests, repeats: int) -> float:
 
 
 async def bench(config, groups: int, repeats: int) -> dict:
+    family = get_family(config.model.family)
     if config.model.build_tiny:
-        build_tiny_qwen_image(config.model.path, seed=config.model.tiny_seed)
+        family.build_tiny(config.model.path, seed=config.model.tiny_seed)
     engine = make_engine(config.model, config.rollout)
     await engine.start()
     requests = [config.rollout.request(PROMPTS[i % len(PROMPTS)], seed=i) for i in range(groups)]
@@ -57,10 +57,8 @@ async def bench(config, groups: int, repeats: int) -> dict:
     per_sample = await _timed("per-sample", engine.generate, requests, repeats)
     await engine.close()
     # useful FLOPs of the batched mode: every denoising step's forward, both CFG branches
-    model = MMDiT.from_config(QwenImageTransformer2DModel.load_config(f"{config.model.path}/transformer"))
-    forward = forward_flops(model, first.latents.shape[2], int(first.prompt_mask.sum()))
-    flops = step_flops(forward, images=images, num_inference_steps=ro.num_inference_steps, trained_steps=0,
-                       cfg=ro.guidance_scale > 1, kl=False)["rollout"]
+    denoiser = family.denoiser_config(config.model.path)
+    flops = groups * group_flops(family, denoiser, first, trained_steps=0, kl=False)["rollout"]
     return {
         "bench": "rollout", "engine": engine.kind, "device": "cuda" if torch.cuda.is_available() else "cpu",
         "torch_threads": torch.get_num_threads(), "group_size": ro.group_size, "groups": groups,

@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from app.algo.timesteps import trained_steps
 from app.config import load
-from app.flops import MMDiT, forward_flops, mfu, step_flops
+from app.flops import group_flops, mfu
 from app.metrics import Stats
-from app.models import qwen_image
+from app.models.qwen_image import model as qwen_image
 from app.train.policy import Policy
 from app.train.update import recompute_log_probs, train_pass
 from app.types import Trajectory
@@ -98,8 +98,8 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
                                     device=device, seed=train.seed, shard=True,
                                     gradient_checkpointing=train.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
-    shape = MMDiT.from_config(policy.transformer.config)
-    batch = [synthetic_group(config, g, shape.text_dim, train.seed) for g in range(groups)]
+    shape = policy.transformer.config
+    batch = [synthetic_group(config, g, shape.joint_attention_dim, train.seed) for g in range(groups)]
     advantages = [torch.randn(t.group_size, generator=torch.Generator().manual_seed(g)) for g, t in enumerate(batch)]
     # old log-probs at the steps each pass trains, scored up front so that its first ratios are 1, as in training
     old = [recompute_log_probs(policy, train, batch, Stats(), step=step) for step in range(repeats + 1)]
@@ -137,10 +137,9 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
     images = groups * rollout.group_size
     trained = len(trained_steps(batch[0].stochastic_steps, train.timestep_fraction, seed=train.seed, step=0,
                                 group=0, epoch=0))  # per image, each pass: the window's steps, or a fraction of all
-    forward = forward_flops(shape, qwen_image.image_seq_len(rollout.height, rollout.width), TEXT_TOKENS)
-    flops = step_flops(forward, images=images, num_inference_steps=0, trained_steps=trained,
-                       cfg=rollout.guidance_scale > 1, kl=train.kl_beta > 0)
-    useful = flops["train"] + flops["reference"]
+    flops = [group_flops(policy.family, shape, traj, trained_steps=trained, kl=train.kl_beta > 0, sampled=False)
+             for traj in batch]  # the trainer's share only: this bench samples nothing
+    useful = sum(f["train"] + f["reference"] for f in flops)
     dist.destroy_process_group()
     return {
         "bench": "train_step", "device": torch.cuda.get_device_name() if cuda else "cpu",

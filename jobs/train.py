@@ -38,9 +38,9 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     """The run config and run folder, or a ConfigError saying what to change. Starts nothing."""
     config = load(args.config, args.overrides)
     model = Path(config.model.path).expanduser()
-    from app.models.checkpoints import checkpoint_problem
+    from app.models.family import get_family
 
-    if not config.model.build_tiny and (problem := checkpoint_problem(config.model.family, model)):
+    if not config.model.build_tiny and (problem := get_family(config.model.family).checkpoint_problem(model)):
         raise ConfigError(f"model.path={config.model.path!r} {problem}: point it at a model.family="
                           f"{config.model.family} checkpoint, or set model.build_tiny=true for the tiny CPU model")
     from app.train.prompts import load_prompts
@@ -151,12 +151,9 @@ def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None,
     ])
 
 
-ADAPTER_LOADERS = {"qwen_image": "QwenImagePipeline.load_lora_weights(...) loads it",
-                   "bagel": "a peft adapter folder of BAGEL's module names"}
-
-
-def summarize(run_dir: Path, result, dashboard_url: str | None, family: str = "qwen_image") -> None:
+def summarize(run_dir: Path, result, dashboard_url: str | None, family: str) -> None:
     from app.metrics import plot_reward_curve, read_history
+    from app.models.family import get_family
 
     history = read_history(run_dir)
     lines = [f"run folder:    {run_dir}", f"tensorboard:   tensorboard --logdir {run_dir / 'tensorboard'}"]
@@ -173,7 +170,7 @@ def summarize(run_dir: Path, result, dashboard_url: str | None, family: str = "q
     if result is not None and result.checkpoint is not None:
         adapter = Path(result.checkpoint.path) / "adapter"
         lines += [f"checkpoint:    {result.checkpoint.path}",
-                  f"LoRA adapter:  {adapter} ({ADAPTER_LOADERS[family]})"]
+                  f"LoRA adapter:  {adapter} ({get_family(family).adapter_format})"]
     if dashboard_url:
         lines.append(f"Ray dashboard: http://{dashboard_url} (Metrics: ray_flowgrpo_*)")
     print("\n".join(lines), flush=True)

@@ -53,7 +53,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The tiny Qwen-Image checkpoint, built once into the cache folder and reused across sessions."""
-    from app.models.tiny import build_tiny_qwen_image
+    from app.models.qwen_image.tiny import build_tiny_qwen_image
 
     return build_tiny_qwen_image(TINY_CACHE / "tiny-qwen-image", seed=0)
 
@@ -61,7 +61,7 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_bagel_dir() -> Path:
     """The tiny BAGEL checkpoint, built once into the cache folder and reused across sessions."""
-    from app.models.tiny_bagel import build_tiny_bagel
+    from app.models.bagel.tiny import build_tiny_bagel
 
     return build_tiny_bagel(TINY_CACHE / "tiny-bagel", seed=0)
 

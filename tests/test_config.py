@@ -184,11 +184,11 @@ def test_a_request_gets_the_rollout_section_s_sampling_unless_it_says_otherwise(
 
 
 def test_bagel_configs_load_with_the_family_s_engine_and_lora_targets():
-    from app.config import FAMILY_LORA_TARGETS
+    from app.models.bagel import GENERATION_TARGETS
 
     tiny = load(CONFIGS / "tiny_bagel_cpu.yaml")
     assert (tiny.model.family, tiny.rollout.engine) == ("bagel", "bagel")
-    assert tiny.model.lora_targets == FAMILY_LORA_TARGETS["bagel"]  # no targets in the YAML: the family's
+    assert tiny.model.lora_targets == GENERATION_TARGETS  # no targets in the YAML: the family's
     assert load(CONFIGS / "tiny_cpu.yaml").model.lora_targets[0] == "to_q"
     with pytest.raises(ConfigError, match="model.path"):
         load(CONFIGS / "bagel_ocr.yaml")  # the real checkpoint's folder must be given

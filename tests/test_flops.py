@@ -7,8 +7,9 @@ from diffusers import QwenImageTransformer2DModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from app.flops import MMDiT, forward_flops, mfu, step_flops
-from app.models.full_random import TRANSFORMER
+from app.flops import mfu, step_flops
+from app.models.qwen_image.flops import MMDiT, forward_flops
+from app.models.qwen_image.real_size import TRANSFORMER
 
 
 @pytest.mark.parametrize("image_side,text_tokens", [(8, 12), (4, 30)])
@@ -33,8 +34,8 @@ def test_a_512_image_costs_15_7_tflop_on_qwen_image():
 
 
 def test_step_flops_count_rollout_training_and_reference():
-    flops = step_flops(10.0, images=8, num_inference_steps=10, trained_steps=2, cfg=True, kl=True)
+    flops = step_flops(10.0, images=8, num_inference_steps=10, trained_steps=2, branches=2, kl=True)
     assert flops == {"rollout": 8 * 10 * 2 * 10.0, "train": 8 * 2 * 2 * 10.0 * 2, "reference": 8 * 2 * 2 * 10.0,
                      "total": 1600.0 + 640.0 + 320.0}
-    assert step_flops(10.0, images=8, num_inference_steps=10, trained_steps=2, cfg=False, kl=False)["total"] == 1120
+    assert step_flops(10.0, images=8, num_inference_steps=10, trained_steps=2, branches=1, kl=False)["total"] == 1120
     assert mfu(989e12, 2.0, 2) == pytest.approx(0.25)

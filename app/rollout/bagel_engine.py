@@ -1,4 +1,4 @@
-"""The BAGEL rollout engine in pure torch: our `BagelMoT` (app/models/bagel.py), the model the trainer
+"""The BAGEL rollout engine in pure torch: our `BagelMoT` (app/models/bagel/model.py), the model the trainer
 differentiates, so its fp32 rollouts re-score to exactly the same log-probs; the engine for clusters without
 vllm-omni and the parity oracle for vllm-omni's BAGEL pipeline.
 
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from app.models import bagel, flux_ae
-from app.models.bagel_context import build_contexts, edit_conditioning, latent_grid, text_conditioning
+from app.models.bagel import FAMILY, flux_ae
+from app.models.bagel import model as bagel
+from app.models.bagel.context import build_contexts, edit_conditioning, latent_grid, text_conditioning
 from app.rollout.local_engine import LocalEngine
 from app.rollout.seeding import sample_generators
 from app.types import GenerationRequest, Trajectory
@@ -79,5 +80,5 @@ class BagelEngine(LocalEngine):
         images = flux_ae.decode(self.autoencoder, final, self.ae_params)
         return Trajectory.sampled(
             request, seed=seed, lora_version=self._lora_version, images=images, latents=latents.float().cpu(),
-            log_probs=log_probs.float().cpu(), timesteps=sigmas[:-1].clone(), sigmas=sigmas, family="bagel",
+            log_probs=log_probs.float().cpu(), timesteps=sigmas[:-1].clone(), sigmas=sigmas, family=FAMILY.name,
             conditioning={k: v.cpu() for k, v in conditioning.items()})

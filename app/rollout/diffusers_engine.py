@@ -1,8 +1,8 @@
 """The reference rollout engine on plain diffusers components: the parity oracle for the vllm-omni engine, and the
 engine where vllm cannot be installed (the lent GPU machine).
 
-Same protocol, same sampler (`app.algo.sde.sde_step`), same per-sample noise (app/rollout/seeding.py) and the
-same Qwen-Image operations (app/models/qwen_image.py) as the vllm-omni pipeline. LoRA: a peft adapter on the
+Same protocol, same sample loop (`app.algo.sampling`), same per-sample noise (app/rollout/seeding.py) and the
+same Qwen-Image operations (app/models/qwen_image/model.py) as the vllm-omni pipeline. LoRA: a peft adapter on the
 diffusers transformer, loaded from tensors with `set_peft_model_state_dict`. One group at a time: a diffusers
 pipeline holds per-call state, so requests are serialised.
 """
@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from app.algo.sde import sde_step
-from app.models import qwen_image
+from app.algo.sampling import sample_trajectory
+from app.models.qwen_image import model as qwen_image
 from app.rollout.local_engine import LocalEngine
 from app.rollout.seeding import draw_seed, sample_generators
 from app.types import GenerationRequest, Trajectory
@@ -54,7 +54,8 @@ class DiffusersEngine(LocalEngine):
 
     def _generate(self, request: GenerationRequest, seed: int) -> Trajectory:
         if request.is_edit:
-            raise ValueError("image: Qwen-Image generates from text only here; edits need model.family=bagel")
+            raise ValueError("image: Qwen-Image generates from text only; edits need a family that edits "
+                             "(docs/model_families.md)")
         if self.batched_groups or request.n == 1:
             return self._generate_group(request, seed)
         return self._generate_per_sample(request, seed)
@@ -70,28 +71,16 @@ class DiffusersEngine(LocalEngine):
         x = qwen_image.initial_latents(generators, pipe.transformer.config.in_channels // 4, request.height,
                                        request.width, embeds.dtype, self.device)  # [n, L, 4C]
         timesteps, sigmas = qwen_image.schedule(pipe.scheduler, request.num_inference_steps, x.shape[1])
-        shapes = qwen_image.img_shapes(n, request.height, request.width)
-
-        def batch(embeds, mask):  # the group shares one prompt: [S, D] -> [n, S, D] views
-            return embeds.unsqueeze(0).expand(n, -1, -1), mask.unsqueeze(0).expand(n, -1)
-
-        pos_e, pos_m = batch(embeds, mask)
-        neg_e, neg_m = batch(neg_embeds, neg_mask) if request.do_cfg else (None, None)
-        latents, log_probs, levels = [x.float()], [], request.step_noise_levels
-        for i in range(request.num_inference_steps):
-            v = qwen_image.velocity(pipe.transformer, x, timesteps[i].to(self.device), pos_e, pos_m, shapes,
-                                    guidance_scale=request.guidance_scale, negative_prompt_embeds=neg_e,
-                                    negative_prompt_mask=neg_m)
-            step = sde_step(v, x, sigmas[i], sigmas[i + 1], noise_level=levels[i],
-                            sde_type=request.sde_type, sigma_max=sigmas[1], generator=generators,
-                            sample_dtype=x.dtype)  # scored as rounded: the sample the next step sees
-            x = step.prev_sample.to(x.dtype)
-            latents.append(x.float())
-            log_probs.append(step.log_prob)
+        v = qwen_image.group_velocity(pipe.transformer, timesteps, embeds, mask, neg_embeds, neg_mask, batch=n,
+                                      height=request.height, width=request.width,
+                                      guidance_scale=request.guidance_scale, device=self.device, dtype=embeds.dtype)
+        latents, log_probs = sample_trajectory(v, x, sigmas, request.step_noise_levels, sde_type=request.sde_type,
+                                               generators=generators)
+        x = latents[:, -1].to(x.dtype)
         images = qwen_image.decode_images(pipe.vae, x, request.height, request.width)
         return Trajectory.sampled(
             request, seed=seed, lora_version=self._lora_version, images=images,
-            latents=torch.stack(latents, dim=1).cpu(), log_probs=torch.stack(log_probs, dim=1).cpu(),
+            latents=latents.cpu(), log_probs=log_probs.cpu(),
             timesteps=timesteps, sigmas=sigmas, prompt_embeds=embeds.float().cpu(), prompt_mask=mask.long().cpu(),
             negative_prompt_embeds=neg_embeds.float().cpu() if request.do_cfg else None,
             negative_prompt_mask=neg_mask.long().cpu() if request.do_cfg else None)

@@ -37,6 +37,11 @@ class LocalEngine:
         self._served = 0
         self._errors = 0
 
+    @classmethod
+    def from_config(cls, model, rollout) -> LocalEngine:
+        """The engine of a run config's model and rollout sections."""
+        return cls(model.path, dtype=model.dtype)
+
     # ---- what a subclass provides ----------------------------------------------------------------------------
 
     def load_model(self) -> None:

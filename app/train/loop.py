@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,14 +36,15 @@ from app.algo.advantages import step_advantages
 from app.algo.timesteps import trained_steps
 from app.config import RunConfig
 from app.console import quiet_this_process
-from app.flops import MMDiT, MoT, forward_flops, mot_forward_flops, step_flops
+from app.flops import group_flops
 from app.metrics import PhaseTimer, Stats, busy_shares, reduce_over_workers, reward_metrics, throughput
 from app.rollout.client import BlockingRolloutClient, RolloutClient, ScoredGroup
 from app.train import checkpoint
 from app.train.policy import Policy
-from app.train.prompts import group_request, load_prompts, step_prompts
+from app.train.prompts import load_prompts
+from app.train.schedule import OnPolicySchedule, rollout_schedule
 from app.train.update import recompute_log_probs, train_pass
-from app.types import GenerationRequest, LoraAdapter
+from app.types import LoraAdapter
 
 
 @dataclass
@@ -56,13 +56,10 @@ class Worker:
     world: int
     policy: Policy
     optimizer: torch.optim.Optimizer
-    rollout: BlockingRolloutClient
-    prompts: list[str]
+    schedule: OnPolicySchedule  # when groups are generated and adapters published (app/train/schedule.py)
     state: checkpoint.TrainerState
     adapter: LoraAdapter | None = None  # what the replicas serve (None: the base model)
     log: run_metrics.RunLog | run_metrics.NullRunLog = field(default_factory=run_metrics.NullRunLog)  # rank 0 logs
-    ahead: dict[int, Future] = field(default_factory=dict)  # pipelined: step -> its groups, generating
-    publishing: Future | None = None  # pipelined, rank 0: the publication still on its way to the replicas
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -73,44 +70,33 @@ def train_loop_per_worker(loop_config: dict) -> None:
                            retries=config.rollout.request_retries, publish_dtype=getattr(torch, config.model.dtype))
     with BlockingRolloutClient(client) as rollout:
         worker = _setup(config, Path(loop_config["run_dir"]), rollout)
-        cfg = worker.config.train
         try:
-            for step in range(worker.state.step, cfg.num_steps):
+            for step in range(worker.state.step, config.train.num_steps):
                 metrics = train_step(worker, step)
                 _report(worker, step, metrics)
-            if worker.publishing is not None:
-                worker.publishing.result()  # the replicas serve the final adapter when the run returns
+            worker.schedule.finish()  # the replicas serve the final adapter when the run returns
         finally:
             worker.log.close()
 
 
 def train_step(worker: Worker, step: int) -> dict[str, float]:
-    cfg, train = worker.config, worker.config.train
-    timer = PhaseTimer()
+    train, timer = worker.config.train, PhaseTimer()
 
     # 1-2. this worker's share of the step's prompt groups, generated and scored (rewards streamed in as groups
     # finish): on-policy, now, from the adapter published last; pipelined, while earlier steps trained
     with timer("rollout"):
-        groups, regenerated = _rollouts(worker, step)
-    staleness = [worker.state.adapter_version - s.trajectory.lora_version for s in groups]  # 0: on-policy
-    lost_replicas = 0  # replicas that died before loading the adapter published last (rank 0 counts)
-    if train.max_staleness > 0:
-        with timer("publish_wait"):  # the last publication has reached the replicas (long since, usually)
-            if worker.publishing is not None:
-                lost_replicas = worker.publishing.result().lost
-            dist.barrier()
-        _request_ahead(worker, step)  # steps step+1 .. step+k generate while this one trains
+        groups, regenerated = worker.schedule.groups(step, worker.adapter, worker.state.adapter_version)
+    lost_replicas = worker.schedule.before_training(step, timer)  # pipelined: the next steps start generating
+    trajectories = [s.trajectory for s in groups]
 
     # 3. advantages per prompt group, normalised over the whole step's batch (every worker's rewards)
     rewards = _gather_rewards(groups)  # {group id: RewardScores}
     adv_of, adv_metrics = step_advantages({g: r.total for g, r in rewards.items()}, std_mode=train.adv_std_mode,
                                           clip_max=train.adv_clip_max)
-    advantages = [adv_of[s.trajectory.group_id] for s in groups]
+    advantages = [adv_of[traj.group_id] for traj in trajectories]
 
     # 4. old log-probs: what the rollout recorded, or the current policy's (before any update this step)
-    mismatch = Stats()
-    trajectories = [s.trajectory for s in groups]
-    old = [traj.log_probs for traj in trajectories]  # [n, T] each
+    mismatch, old = Stats(), [traj.log_probs for traj in trajectories]  # [n, T] each
     if train.old_logprob == "recompute":
         with timer("recompute"):
             old = recompute_log_probs(worker.policy, train, trajectories, mismatch, step=step)
@@ -123,112 +109,73 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
                                    trajectories=trajectories, advantages=advantages, old=old, stats=stats,
                                    mismatch=mismatch, policy_version=worker.state.adapter_version)
 
-    # 6. publish: groups started from now on sample the new adapter; on-policy, every replica serves it before any
-    # worker asks for the next step's groups; pipelined, it travels while the next step's groups are collected
+    # 6. publish: groups started from now on sample the new adapter (on-policy: every replica serves it before any
+    # worker asks for the next step's groups; pipelined: it travels while the next step's groups are collected)
     with timer("publish"):
         worker.adapter = worker.policy.export_adapter(version=step + 1)  # gathers the LoRA only (a collective)
-        if train.max_staleness == 0:
-            lost_replicas = worker.rollout.publish(worker.adapter).lost if worker.rank == 0 else 0
-            dist.barrier()
-        elif worker.rank == 0:
-            worker.publishing = worker.rollout.publish_ahead(worker.adapter)
+        lost_replicas += worker.schedule.publish(worker.adapter)
+
+    # 7. metrics over every worker, and (rank 0's log) the step's images
+    local = _worker_metrics(worker, step, groups, stats.result(), mismatch.result(), regenerated, lost_replicas)
     worker.state = checkpoint.TrainerState(step=step + 1, adapter_version=worker.adapter.version,
                                            data_position=(step + 1) * train.groups_per_step, seed=train.seed)
+    _log_images(worker, step, groups)
+    return _step_metrics(worker, local, rewards, adv_metrics, grad_norm, timer)
 
-    # 7. metrics, averaged (or max/min) over workers
-    # the first-pass checks cover the groups of the policy's own version; every rank reports every key (0: no
-    # such group on this worker)
-    local = {"actor/ratio_dev_first_pass_max": 0.0, "actor/ratio_dev_stale_max": 0.0,
-             "rollout/logprob_mismatch_max": 0.0, **stats.result(), **mismatch.result(),
-             "rollout/staleness_max": float(max(staleness)), "rollout/staleness_mean": sum(staleness) / len(staleness),
-             "rollout/regenerated_groups": float(regenerated),
-             "rollout/retries_max": float(sum(s.retries for s in groups)),  # failed attempts seen by one worker
-             "rollout/publish_lost_replicas_max": float(lost_replicas),
-             **_work_metrics(worker, step, groups)}
+
+def _worker_metrics(worker: Worker, step: int, groups: list[ScoredGroup], stats: dict, mismatch: dict,
+                    regenerated: int, lost_replicas: int) -> dict[str, float]:
+    """This worker's metrics of the step, named for how they combine over workers (`reduce_over_workers`: `_max`,
+    `_min`, `_sum`, else the mean). The first-pass checks cover the groups of the policy's own version; every rank
+    reports every key (0: no such group on this worker)."""
+    train = worker.config.train
+    staleness = [worker.state.adapter_version - s.trajectory.lora_version for s in groups]  # 0: on-policy
+    tflop = 0.0
+    for s in groups:  # useful FLOPs (app/flops.py) of the groups this worker trained
+        traj = s.trajectory
+        trained = train.num_inner_epochs * len(trained_steps(traj.stochastic_steps, train.timestep_fraction,
+                                                             seed=train.seed, step=step, group=traj.group_id, epoch=0))
+        tflop += group_flops(worker.policy.family, worker.policy.transformer.config, traj, trained_steps=trained,
+                             kl=train.kl_beta > 0)["total"] / 1e12
+    out = {"actor/ratio_dev_first_pass_max": 0.0, "actor/ratio_dev_stale_max": 0.0,
+           "rollout/logprob_mismatch_max": 0.0, **stats, **mismatch,
+           "rollout/staleness_max": float(max(staleness)), "rollout/staleness_mean": sum(staleness) / len(staleness),
+           "rollout/regenerated_groups": float(regenerated),
+           "rollout/retries_max": float(sum(s.retries for s in groups)),  # failed attempts seen by one worker
+           "rollout/publish_lost_replicas_max": float(lost_replicas),
+           "perf/useful_tflop_sum": tflop,
+           "perf/rollout_busy_s_sum": sum(s.trajectory.producer.get("seconds", 0.0) for s in groups),
+           "rollout/adapter_swap_s_max": max(s.trajectory.producer.get("adapter_swap_s", 0.0) for s in groups),
+           "timing/reward_wait_s_max": max(0.0, max(s.scored_at for s in groups) - max(s.generated_at for s in groups)),
+           "memory/rollout_peak_gib_max": max(s.trajectory.producer.get("gpu_peak_gib", 0.0) for s in groups)}
+    if torch.cuda.is_available():
+        out["memory/trainer_peak_gib_max"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def _step_metrics(worker: Worker, local: dict[str, float], rewards: dict, adv_metrics: dict, grad_norm: float,
+                  timer: PhaseTimer) -> dict[str, float]:
+    """The step's metrics: every worker's reduced (a collective), the rewards and advantages of the whole batch,
+    the phase times, and throughput and busy shares from the FLOPs and engine seconds summed over workers."""
+    cfg = worker.config
     out = {**reduce_over_workers(local, worker.world), **reward_metrics(rewards), **adv_metrics,
            "actor/grad_norm": grad_norm, "actor/lr": worker.optimizer.param_groups[0]["lr"],
            "rollout/adapter_version": float(worker.adapter.version),
            "rollout/images": float(sum(len(r.total) for r in rewards.values())), **timer.metrics()}
-    out.update(throughput(out, useful_tflop=out.pop("perf/useful_tflop") * worker.world, gpus=_gpus(cfg)))
-    out.update(busy_shares(out, rollout_busy_s=out.pop("perf/rollout_busy_s") * worker.world,
+    out.update(throughput(out, useful_tflop=out.pop("perf/useful_tflop"), gpus=_gpus(cfg)))
+    out.update(busy_shares(out, rollout_busy_s=out.pop("perf/rollout_busy_s"),
                            replicas=cfg.rollout.num_replicas, replica_gpus=cfg.rollout.replica_num_gpus,
                            workers=cfg.cluster.num_workers,
                            worker_gpus=cfg.cluster.worker_num_gpus if cfg.cluster.use_gpu else 0.0))
-    if _log_images_now(cfg, step):  # rank 0's log draws them
+    return out
+
+
+def _log_images(worker: Worker, step: int, groups: list[ScoredGroup]) -> None:
+    """The step's image grid, labelled with prompts and rewards, when one is due (rank 0's log draws it)."""
+    if _log_images_now(worker.config, step):
         images = np.concatenate([s.trajectory.images.numpy() for s in groups])
         worker.log.log_images(step + 1, images, [s.trajectory.prompt for s in groups],
                               [{"total": s.rewards.total, **s.rewards.components} for s in groups])
-    return out
-
-
-def _requests(worker: Worker, step: int) -> list[GenerationRequest]:
-    """This worker's groups of step `step`: the step's groups dealt round-robin to the workers. On-policy each
-    names the adapter last published; pipelined, none (a replica samples with the adapter it has)."""
-    cfg, train = worker.config, worker.config.train
-    mine = step_prompts(worker.prompts, step, train.groups_per_step, seed=train.seed,
-                        shuffle=cfg.data.shuffle)[worker.rank::worker.world]
-    version = worker.state.adapter_version if train.max_staleness == 0 else None
-    return [group_request(cfg.rollout, prompt, g, seed=train.seed, step=step, lora_version=version)
-            for g, prompt in mine]
-
-
-def _rollouts(worker: Worker, step: int) -> tuple[list[ScoredGroup], int]:
-    """Step `step`'s scored groups in request order, none more than `train.max_staleness` adapter versions behind
-    the policy, and how many had to be generated again."""
-    k, requests = worker.config.train.max_staleness, _requests(worker, step)
-    if k == 0:
-        return worker.rollout.collect_on_policy(requests, worker.adapter)
-    ahead = worker.ahead.pop(step, None)  # none at the first step, or after a restart
-    groups = (ahead if ahead is not None else worker.rollout.collect_ahead(requests)).result()
-    return worker.rollout.refresh(groups, requests, worker.adapter, max_staleness=k)
-
-
-def _request_ahead(worker: Worker, step: int) -> None:
-    """Pipelined: request the groups of steps step+1 .. step+k not yet requested (the run's steps only)."""
-    last = min(step + worker.config.train.max_staleness, worker.config.train.num_steps - 1)
-    for ahead in range(step + 1, last + 1):
-        if ahead not in worker.ahead:
-            worker.ahead[ahead] = worker.rollout.collect_ahead(_requests(worker, ahead))
-
-
-def _work_metrics(worker: Worker, step: int, groups: list[ScoredGroup]) -> dict[str, float]:
-    """This worker's share of the step's useful FLOPs (app/flops.py), how long the reward kept the rollout phase
-    going after the last group was generated, and peak GPU memory of the trainer and of the rollout replicas."""
-    train = worker.config.train
-    tflop = 0.0
-    for s in groups:
-        traj = s.trajectory
-        trained = train.num_inner_epochs * len(trained_steps(traj.stochastic_steps, train.timestep_fraction,
-                                                             seed=train.seed, step=step, group=traj.group_id, epoch=0))
-        forward, branches = _forward_flops(worker.policy, traj)
-        tflop += step_flops(forward, images=traj.group_size, num_inference_steps=traj.num_inference_steps,
-                            trained_steps=trained, cfg=traj.guidance_scale > 1, kl=train.kl_beta > 0,
-                            branches=branches)["total"] / 1e12
-    out = {"perf/useful_tflop": tflop,
-           "perf/rollout_busy_s": sum(s.trajectory.producer.get("seconds", 0.0) for s in groups),
-           "rollout/adapter_swap_s_max": max(s.trajectory.producer.get("adapter_swap_s", 0.0) for s in groups),
-           "timing/reward_wait_s_max": max(0.0, max(s.scored_at for s in groups) - max(s.generated_at for s in groups))}
-    if torch.cuda.is_available():
-        out["memory/trainer_peak_gib_max"] = torch.cuda.max_memory_allocated() / 2**30
-    replica_peaks = [s.trajectory.producer.get("gpu_peak_gib", 0.0) for s in groups]
-    out["memory/rollout_peak_gib_max"] = max(replica_peaks)
-    return out
-
-
-def _forward_flops(policy: Policy, traj) -> tuple[float, int]:
-    """(FLOPs of one forward of one image, forwards per denoising step) for the trajectory's family."""
-    tokens = traj.latents.shape[2]
-    if traj.family == "bagel":
-        cond = traj.conditioning
-        context = int(cond["prompt_ids"].numel())
-        if "edit_latents" in cond:  # the image blocks: [soi, latents, eoi] and [soi, ViT patches, eoi]
-            vit_patch = 14 * 14  # SigLIP's patch
-            context += cond["edit_latents"].shape[0] + cond["edit_vit"][0].numel() // vit_patch + 4
-        branches = 1 + (traj.guidance_scale > 1) + (traj.guidance_scale > 1 and traj.image_guidance_scale > 1
-                                                    and "edit_latents" in cond)
-        return mot_forward_flops(MoT.from_config(policy.transformer.config), tokens, context), branches
-    model = MMDiT.from_config(policy.transformer.config)
-    return forward_flops(model, tokens, int(traj.prompt_mask.sum())), 2 if traj.do_cfg else 1
 
 
 def _gpus(cfg: RunConfig) -> float:
@@ -296,8 +243,8 @@ def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> 
         checkpoint.restore_optimizer(policy, optimizer, restored.optimizer)
         state = restored.state
         adapter = policy.export_adapter(version=state.adapter_version) if state.adapter_version > 0 else None
-    worker = Worker(config=config, rank=rank, world=world, policy=policy, optimizer=optimizer,
-                    rollout=rollout, prompts=load_prompts(config.data.prompts),
+    schedule = rollout_schedule(config, rollout, load_prompts(config.data.prompts), rank=rank, world=world)
+    worker = Worker(config=config, rank=rank, world=world, policy=policy, optimizer=optimizer, schedule=schedule,
                     state=state, adapter=adapter)
     if rank == 0:
         # the replicas serve exactly this run's policy: the base model, or the resumed adapter (reset first: a

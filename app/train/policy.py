@@ -1,10 +1,10 @@
-"""The trained policy: the model family's denoiser (the diffusers Qwen-Image transformer, or BAGEL's
-Mixture-of-Transformers LLM), frozen, with a peft LoRA, sharded with FSDP2.
+"""The trained policy: the model family's denoiser (`ModelFamily.load_denoiser`: the diffusers Qwen-Image
+transformer, BAGEL's Mixture-of-Transformers LLM, ...), frozen, with a peft LoRA, sharded with FSDP2.
 
-- Per-step log-probs and means come from the family's `score_steps` (`app.models.qwen_image`,
-  `app.models.bagel_context`), i.e. from `app.algo.sde.sde_step`, the sampler the rollout engines run: the
-  trainer scores exactly the transitions the rollout took. A BAGEL trajectory's context is rebuilt from its stored
-  conditioning by the policy as it stands (an edit's image block runs through the adapted generation expert).
+- Per-step log-probs and means come from the family's `score` (app/models/family.py), i.e. from
+  `app.algo.sampling.score_steps`, the loop the rollout engines sample with: the trainer scores exactly the
+  transitions the rollout took. A family whose conditioning depends on the adapter (a BAGEL edit's image block)
+  rebuilds it under the policy as it stands.
 - The reference policy is the same module with the adapter disabled (`with policy.reference():`), so the KL costs
   one extra forward and no second copy of the weights.
 - Under FSDP2 (`fully_shard` per transformer block, then the root) every rank holds a shard of every parameter;
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from app.algo.sde import SDEStepOutput
-from app.models import qwen_image
+from app.models.family import ModelFamily, get_family
 from app.models.lora import ADAPTER_NAME, transformer_key
 from app.types import LoraAdapter, Trajectory
 
@@ -36,7 +36,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Policy:
-    def __init__(self, transformer, *, sharded: bool, family: str = "qwen_image"):
+    def __init__(self, transformer, *, sharded: bool, family: ModelFamily):
         self.transformer = transformer  # the trained module of the family (BAGEL: `BagelMoT`)
         self.sharded = sharded
         self.family = family
@@ -57,29 +57,19 @@ class Policy:
         gradient_checkpointing: bool = False,
         family: str = "qwen_image",
     ) -> Policy:
-        """Load the family's denoiser (Qwen-Image: `<model_path>/transformer`; BAGEL: the MoT LLM of
-        `ema.safetensors`), freeze it, add the LoRA (initialised from `seed`, or loaded from `adapter_tensors` when
-        resuming), then shard it when a process group is up (`shard=None`: auto). `gradient_checkpointing`
-        recomputes each block's activations in the backward pass (real sizes need it)."""
+        """Load the family's denoiser (`ModelFamily.load_denoiser`), freeze it, add the LoRA (initialised from
+        `seed`, or loaded from `adapter_tensors` when resuming), then shard it when a process group is up
+        (`shard=None`: auto). `gradient_checkpointing` recomputes each block's activations in the backward pass
+        (real sizes need it)."""
         device = torch.device(device)
-        if family == "bagel":
-            from app.models.bagel import BagelMoT
-
-            transformer = BagelMoT.from_checkpoint(model_path, dtype=dtype, device=device)
-        else:
-            from diffusers import QwenImageTransformer2DModel
-
-            # on a GPU the weights go straight there (a 20B model never sits in the host's memory)
-            placement = {"device_map": {"": device}} if device.type == "cuda" else {}
-            transformer = QwenImageTransformer2DModel.from_pretrained(Path(model_path) / "transformer", dtype=dtype,
-                                                                      **placement)
+        transformer = get_family(family).load_denoiser(model_path, dtype=dtype, device=device)
         policy = cls.with_lora(transformer, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                target_modules=target_modules, seed=seed, adapter_tensors=adapter_tensors,
                                gradient_checkpointing=gradient_checkpointing, family=family)
         transformer.to(device)
         policy.sharded = dist.is_available() and dist.is_initialized() if shard is None else shard
         if policy.sharded:
-            _fully_shard(transformer, dtype)
+            _fully_shard(transformer, policy.family, dtype)
         return policy
 
     @classmethod
@@ -104,7 +94,7 @@ class Policy:
         for p in transformer.parameters():  # the optimizer updates fp32 LoRA weights; FSDP2 casts them for compute
             if p.requires_grad:
                 p.data = p.data.float()
-        return cls(transformer, sharded=False, family=family)
+        return cls(transformer, sharded=False, family=get_family(family))
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The trainable (LoRA) parameters."""
@@ -114,15 +104,10 @@ class Policy:
               flow_grpo_compat: bool = False) -> list[SDEStepOutput]:
         """log π(x_{i+1} | x_i) and the transition mean for each step i of `steps`, for group members `samples`
         (differentiable w.r.t. the LoRA unless called under `torch.no_grad()`)."""
-        if traj.family != self.family:
-            raise ValueError(f"a {traj.family} trajectory cannot be scored by a {self.family} policy")
-        if self.family == "bagel":
-            from app.models.bagel_context import score_trajectory
-
-            return score_trajectory(self.transformer, traj, steps, samples, flow_grpo_compat=flow_grpo_compat,
-                                    uniform=self.sharded)
-        return qwen_image.score_steps(self.transformer, traj, steps, samples=samples,
-                                      flow_grpo_compat=flow_grpo_compat)
+        if traj.family != self.family.name:
+            raise ValueError(f"a {traj.family} trajectory cannot be scored by a {self.family.name} policy")
+        return self.family.score(self.transformer, traj, steps, samples, flow_grpo_compat=flow_grpo_compat,
+                                 uniform=self.sharded)
 
     @contextmanager
     def reference(self) -> Iterator[None]:
@@ -148,30 +133,13 @@ class Policy:
                            target_modules=sorted(config.target_modules), version=version)
 
     def save_adapter(self, directory: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> Path:
-        """The adapter as its family's tools load it. Qwen-Image: as diffusers writes LoRAs
-        (`pytorch_lora_weights.safetensors`, `QwenImagePipeline.load_lora_weights(directory)` loads it); BAGEL: a
-        peft adapter folder (`adapter_model.safetensors` + `adapter_config.json`, module names of `ema.safetensors`)."""
+        """The adapter as its family's tools load it (`ModelFamily.save_adapter`); the weights file written."""
         config = self.transformer.peft_config[ADAPTER_NAME]
-        tensors = self.adapter_state() if tensors is None else tensors
-        if self.family == "bagel":
-            from peft import LoraConfig
-            from safetensors.torch import save_file
-
-            directory = Path(directory)
-            LoraConfig(r=config.r, lora_alpha=config.lora_alpha,
-                       target_modules=sorted(config.target_modules)).save_pretrained(directory)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / PEFT_WEIGHTS))
-            return directory / PEFT_WEIGHTS
-        from diffusers import QwenImagePipeline
-
-        QwenImagePipeline.save_lora_weights(
-            directory, transformer_lora_layers=tensors,
-            transformer_lora_adapter_metadata={"r": config.r, "lora_alpha": config.lora_alpha,
-                                               "target_modules": sorted(config.target_modules)})
-        return Path(directory) / "pytorch_lora_weights.safetensors"
+        return self.family.save_adapter(directory, self.adapter_state() if tensors is None else tensors,
+                                        rank=config.r, alpha=config.lora_alpha, target_modules=config.target_modules)
 
 
-PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_WEIGHTS = "adapter_model.safetensors"  # a peft adapter folder's weights (the other form: diffusers' LoRA file)
 
 
 def load_adapter_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -186,23 +154,17 @@ def load_adapter_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     return {transformer_key(k): v for k, v in state.items()}
 
 
-def _fully_shard(transformer, dtype: torch.dtype) -> None:
-    """FSDP2: one unit per transformer block (BAGEL: per decoder layer; all-gathered only while it runs), then the
-    root."""
+def _fully_shard(transformer, family: ModelFamily, dtype: torch.dtype) -> None:
+    """FSDP2: one unit per block the family names (all-gathered only while it runs), then the root if it says so."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # fp32 LoRA next to a bf16 base: all-gather and compute in the model dtype, reduce gradients in fp32
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
     kwargs = {"mp_policy": mp} if mp is not None else {}
-    if hasattr(transformer, "language_model"):
-        # BAGEL: the decoder layers only. The rest (embeddings, timestep and latent projections, the ViT) is frozen
-        # and used outside `forward` (the context and velocity methods), where a sharded root would not be
-        # gathered: it stays whole on every rank, and the LoRA (all inside the layers) is sharded with them.
-        for layer in transformer.language_model.model.layers:
-            fully_shard(layer, **kwargs)
-        # a layer returns its keys and values as transposed views, which nothing modifies in place
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        return
-    for block in transformer.transformer_blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(transformer, **kwargs)
+    units, shard_root = family.shard_units(transformer)
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    if shard_root:
+        fully_shard(transformer, **kwargs)
+    # a unit may return views (BAGEL's layers: their keys and values, transposed), which nothing modifies in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")

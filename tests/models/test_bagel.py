@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.models.bagel import GENERATION_TARGETS, BagelMoT, Context, combine_cfg, schedule
+from app.models.bagel.model import GENERATION_TARGETS, BagelMoT, Context, combine_cfg, schedule
 
 GRID = (4, 4)  # a 64x64 image: 4x4 latent tokens of 2x2 patches
 
@@ -237,7 +237,7 @@ def test_an_edit_context_equals_the_float64_computation(bagel_dir, tokens):
 
 
 def test_patchify_round_trip_and_layout():
-    from app.models.bagel import patchify, unpatchify
+    from app.models.bagel.model import patchify, unpatchify
 
     latent = torch.arange(16 * 4 * 6, dtype=torch.float32).reshape(16, 4, 6)  # C=16, a 2x3 grid of 2x2 patches
     tokens = patchify(latent)
@@ -288,7 +288,8 @@ def test_schedule_shift_hand_worked():
 
 
 def _sample_and_rescore(model, contexts, guidance, marks, *, n=3, steps=5, noise_level=0.8, seed=7):
-    from app.models.bagel import sample_group, score_steps
+    from app.algo.sampling import score_steps
+    from app.models.bagel.model import group_velocity, sample_group
     from app.rollout.seeding import sample_generators
 
     sigmas = schedule(steps + 1, 3.0)
@@ -296,8 +297,8 @@ def _sample_and_rescore(model, contexts, guidance, marks, *, n=3, steps=5, noise
         latents, log_probs = sample_group(model, contexts, guidance, generators=sample_generators(seed, 0, n),
                                           grid=GRID, image_tokens=marks, sigmas=sigmas,
                                           noise_levels=[noise_level] * steps)
-        scored = score_steps(model, contexts, guidance, latents=latents, steps=range(steps), grid=GRID,
-                             image_tokens=marks, sigmas=sigmas, noise_levels=[noise_level] * steps)
+        velocity = group_velocity(model, contexts, guidance, sigmas=sigmas, grid=GRID, image_tokens=marks)
+        scored = score_steps(velocity, latents, range(steps), sigmas, [noise_level] * steps, sde_type="sde")
     return latents, log_probs, torch.stack([o.log_prob for o in scored], dim=1)
 
 
@@ -308,7 +309,7 @@ def test_rescoring_a_sampled_group_gives_exactly_its_log_probs(bagel_dir, tokens
     bit (with the generation-expert LoRA and with CFG inside its interval, outside it plain)."""
     from peft import LoraConfig
 
-    from app.models.bagel import Contexts, Guidance
+    from app.models.bagel.model import Contexts, Guidance
 
     prompt, marks = tokens
     model = BagelMoT.from_checkpoint(bagel_dir)
@@ -327,7 +328,7 @@ def test_rescoring_a_sampled_group_gives_exactly_its_log_probs(bagel_dir, tokens
 
 
 def test_cfg_changes_only_the_steps_inside_its_interval(bagel_dir, tokens):
-    from app.models.bagel import Contexts, Guidance, guided_velocity
+    from app.models.bagel.model import Contexts, Guidance, guided_velocity
 
     prompt, marks = tokens
     model = BagelMoT.from_checkpoint(bagel_dir)
@@ -341,7 +342,7 @@ def test_cfg_changes_only_the_steps_inside_its_interval(bagel_dir, tokens):
 
 
 def test_each_sample_starts_from_its_own_noise_whatever_the_group(bagel_dir, tokens):
-    from app.models.bagel import Contexts, Guidance, initial_latents
+    from app.models.bagel.model import Contexts, Guidance, initial_latents
     from app.rollout.seeding import sample_generators
 
     prompt, marks = tokens
@@ -353,7 +354,7 @@ def test_each_sample_starts_from_its_own_noise_whatever_the_group(bagel_dir, tok
         contexts = Contexts(model.prefill_text(prompt))
     latents, log_probs, _ = _sample_and_rescore(model, contexts, Guidance(), marks, n=3)
     # sample 1 drawn alone follows the same trajectory (to fp32 rounding of a batch of another size)
-    from app.models.bagel import sample_group
+    from app.models.bagel.model import sample_group
 
     with torch.no_grad():
         one, one_lp = sample_group(model, contexts, Guidance(), generators=sample_generators(7, 1, 1), grid=GRID,

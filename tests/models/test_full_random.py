@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from app.config import RolloutConfig
-from app.models.full_random import TRANSFORMER, _randomise, build_full_random_qwen_image
+from app.models.qwen_image.real_size import TRANSFORMER, _randomise, build_full_random_qwen_image
 from app.rollout.diffusers_engine import DiffusersEngine
 from app.train.policy import Policy
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.models.tiny import QWEN_IMAGE_TEMPLATE, QWEN_IMAGE_TEMPLATE_START_IDX, build_tiny_qwen_image
+from app.models.qwen_image.tiny import QWEN_IMAGE_TEMPLATE, QWEN_IMAGE_TEMPLATE_START_IDX, build_tiny_qwen_image
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.models import tiny_bagel
-from app.models.flux_ae import diffusers_to_ldm_vae, load_flux_autoencoder
-from app.models.tiny_bagel import TINY_AE, build_tiny_bagel
+from app.models.bagel import tiny as tiny_bagel
+from app.models.bagel.flux_ae import diffusers_to_ldm_vae, load_flux_autoencoder
+from app.models.bagel.tiny import TINY_AE, build_tiny_bagel
 
 pytestmark = pytest.mark.slow  # fresh builds (~8 s each) and vllm-omni's import
 
@@ -103,8 +103,8 @@ def test_vllm_omni_autoencoder_loads_it_and_decodes_as_ours(bagel_dir):
 def test_real_width_builder_is_deterministic_and_loads(tmp_path):
     """The real-width preset's layout at a narrow size (seconds on a CPU): same seed, same files; bf16 tensors that
     `BagelMoT` loads strictly, the embedding padded to the vocabulary size, the ViT's input side in the preprocessor."""
-    from app.models.bagel import BagelMoT
-    from app.models.real_width_bagel import SIGLIP_SO400M, VOCAB, build_real_width_bagel, real_width_size
+    from app.models.bagel.model import BagelMoT
+    from app.models.bagel.real_width import SIGLIP_SO400M, VOCAB, build_real_width_bagel, real_width_size
 
     real = real_width_size()
     assert (real.hidden, real.intermediate, real.heads, real.kv_heads, real.head_dim, real.layers) == (

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from app.models.bagel import BagelMoT
-from app.models.bagel_context import edit_input_size
+from app.models.bagel.context import edit_input_size
+from app.models.bagel.model import BagelMoT
+from app.models.bagel.tiny import MAX_LATENT_SIZE
 from app.models.lora import random_lora
-from app.models.tiny_bagel import MAX_LATENT_SIZE
 from app.types import GenerationRequest
 
 SAMPLING = dict(height=64, width=64, num_inference_steps=3, noise_level=0.8, sde_type="sde", seed=11)

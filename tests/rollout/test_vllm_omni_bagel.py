@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from app.config import FAMILY_LORA_TARGETS
-from app.models.bagel import BagelMoT
-from app.models.bagel_context import text_conditioning
+from app.models.bagel import GENERATION_TARGETS
+from app.models.bagel.context import text_conditioning
+from app.models.bagel.model import BagelMoT
 from app.models.lora import random_lora
 from app.train.policy import Policy
 from app.types import GenerationRequest
 
-TARGETS = FAMILY_LORA_TARGETS["bagel"]
+TARGETS = GENERATION_TARGETS
 EDIT = torch.from_numpy((np.random.default_rng(1).random((64, 64, 3)) * 255).astype(np.uint8))
 CFG = dict(guidance_scale=4.0, negative_prompt="", image_guidance_scale=1.5, cfg_interval=(0.4, 1.0))
 # max |log-prob| gap between vllm-omni's bf16 rollout and the fp32 trainer, per step (mean log-density per latent

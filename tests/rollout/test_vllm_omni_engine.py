@@ -7,8 +7,8 @@ import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
 
-from app.models import qwen_image
 from app.models.lora import attach_lora, random_lora
+from app.models.qwen_image import model as qwen_image
 from app.types import GenerationRequest, LoraAdapter
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -53,7 +53,7 @@ class ScaledVelocity(torch.nn.Module):
 
 def recompute(transformer, traj):
     with torch.no_grad():
-        steps = qwen_image.score_steps(transformer, traj, range(traj.num_inference_steps))
+        steps = qwen_image.score_trajectory(transformer, traj, range(traj.num_inference_steps))
     return torch.stack([s.log_prob for s in steps], dim=1)  # [n, T]
 
 
@@ -141,7 +141,7 @@ def test_an_sde_window_puts_noise_only_on_its_steps_in_both_engines(vllm_engine,
     assert (a.latents - b.latents).abs().max() <= 1e-6 and (a.log_probs - b.log_probs).abs().max() <= 1e-6
     assert torch.equal(a.log_probs[:, [0, 3]], torch.zeros(3, 2)) and (a.log_probs[:, 1:3] != 0).all()
     with torch.no_grad():
-        scored = qwen_image.score_steps(trainer_transformer, a, range(4))
+        scored = qwen_image.score_trajectory(trainer_transformer, a, range(4))
     assert (torch.stack([s.log_prob for s in scored], dim=1) - a.log_probs).abs().max() <= PARITY_TOL
     for i in (0, 3):  # outside the window the next latent is the ODE step's mean itself: no noise was added
         assert (scored[i].prev_sample_mean - a.latents[:, i + 1]).abs().max() <= 1e-5

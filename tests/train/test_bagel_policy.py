@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from app.config import FAMILY_LORA_TARGETS
-from app.models.bagel import BagelMoT
+from app.models.bagel import GENERATION_TARGETS
+from app.models.bagel.model import BagelMoT
 from app.models.lora import random_lora
 from app.train.policy import Policy, load_adapter_tensors
 from app.types import GenerationRequest
 
-TARGETS = FAMILY_LORA_TARGETS["bagel"]
+TARGETS = GENERATION_TARGETS
 EDIT = torch.from_numpy((np.random.default_rng(1).random((64, 64, 3)) * 255).astype(np.uint8))
 CFG = dict(guidance_scale=4.0, negative_prompt="", image_guidance_scale=1.5, cfg_interval=(0.4, 1.0))
 

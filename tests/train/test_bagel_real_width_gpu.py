@@ -15,8 +15,9 @@ import pytest
 import torch
 from test_real_width_gpu import trainer_log_probs  # the Qwen-Image GPU test's micro-batched re-scoring
 
-from app.config import FAMILY_LORA_TARGETS, RolloutConfig
-from app.models.real_width_bagel import build_real_width_bagel
+from app.config import RolloutConfig
+from app.models.bagel import GENERATION_TARGETS
+from app.models.bagel.real_width import build_real_width_bagel
 from app.rollout.bagel_engine import BagelEngine
 from app.train.policy import Policy
 
@@ -82,7 +83,7 @@ def measure(model_dir, aio, *, device: str = "cuda", side: int = 512, group: int
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     policy = Policy.from_pretrained(model_dir, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
-                                    target_modules=FAMILY_LORA_TARGETS["bagel"], dtype=torch.bfloat16, device=device,
+                                    target_modules=GENERATION_TARGETS, dtype=torch.bfloat16, device=device,
                                     family="bagel")
     assert policy.sharded
     for name, traj in trajs.items():

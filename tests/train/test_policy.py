@@ -9,8 +9,8 @@ import pytest
 import torch
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
-from app.models import qwen_image
 from app.models.lora import random_lora
+from app.models.qwen_image import model as qwen_image
 from app.train.policy import Policy, load_adapter_tensors
 from app.types import GenerationRequest
 
@@ -65,7 +65,7 @@ def test_reference_is_the_base_model_and_the_adapter_comes_back(tiny_model_dir, 
         with policy.reference():
             (ref,) = policy.score(rollout, [1], [0, 1])
         (again,) = policy.score(rollout, [1], [0, 1])
-        (plain,) = qwen_image.score_steps(base, rollout, [1], samples=[0, 1])
+        (plain,) = qwen_image.score_trajectory(base, rollout, [1], samples=[0, 1])
     assert torch.equal(ref.prev_sample_mean, plain.prev_sample_mean)
     assert (tuned.prev_sample_mean - ref.prev_sample_mean).abs().max() > 1e-3
     assert torch.equal(again.prev_sample_mean, tuned.prev_sample_mean)
@@ -86,7 +86,7 @@ def test_adapter_exports_and_loads_in_diffusers(tiny_model_dir, adapter, rollout
     pipe.load_lora_weights(str(tmp_path))  # what a diffusers user does with the checkpoint's adapter folder
     with torch.no_grad():
         (ours,) = policy.score(rollout, [2], [0, 1, 2, 3])
-        (theirs,) = qwen_image.score_steps(pipe.transformer, rollout, [2], samples=[0, 1, 2, 3])
+        (theirs,) = qwen_image.score_trajectory(pipe.transformer, rollout, [2], samples=[0, 1, 2, 3])
     assert (ours.prev_sample_mean - theirs.prev_sample_mean).abs().max() <= 1e-6
 
 

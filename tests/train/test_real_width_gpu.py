@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from app.config import RolloutConfig
-from app.models.full_random import build_full_random_qwen_image
+from app.models.qwen_image.real_size import build_full_random_qwen_image
 from app.rollout.diffusers_engine import DiffusersEngine
 from app.train.policy import Policy
 

@@ -7,7 +7,7 @@ every workaround in one place, each a no-op on CUDA (../shared/notes/bagel.md §
    (timestep embeddings, latents, pixels) meet bf16 weights at the model's entry points. A forward pre-hook casts
    them there, which is what autocast does on CUDA.
 3. The tiny autoencoder: vllm-omni always builds the 84M-parameter FLUX autoencoder; a tiny checkpoint declares a
-   smaller geometry under `flowgrpo_tiny_ae` in config.json (app/models/flux_ae.py), and it is swapped in.
+   smaller geometry under `flowgrpo_tiny_ae` in config.json (app/models/bagel/flux_ae.py), and it is swapped in.
 4. The engine's start-up warm-up asks for a 512x512 image (with an input image): minutes in bf16 on a CPU, and
    refused by a checkpoint that generates less. On the CPU it asks for the smallest size instead.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from app.models.flux_ae import TINY_AE_KEY
+from app.models.bagel.flux_ae import TINY_AE_KEY
 
 WARMUP_SIDE = 32  # pixels: one latent token pair at BAGEL's stride of 16
 _LIBRARY = None  # the torch.library fragment must outlive this call

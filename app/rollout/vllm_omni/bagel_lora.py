@@ -6,9 +6,9 @@ the adapter is applied here instead: a hook on each MoT projection adds scale ·
 tokens (the rows the generation expert computes), and nothing while no adapter is active, so switching back to the
 base model restores its outputs exactly.
 
-The adapter arrives as the trainer exported it (peft names of `BagelMoT`, app/models/bagel.py, whose module names
+The adapter arrives as the trainer exported it (peft names of `BagelMoT`, app/models/bagel/model.py, whose module names
 are upstream BAGEL's): `language_model.model.layers.N.<target>.lora_{A,B}.weight` for the 7 targets of
-`FAMILY_LORA_TARGETS["bagel"]`. vllm-omni fuses some of them; each fused output is the concatenation of its parts:
+`GENERATION_TARGETS` (app/models/bagel/__init__.py). vllm-omni fuses some of them; each fused output is the concatenation of its parts:
 
     self_attn.qkv_proj (gen rows)     q_proj_moe_gen | k_proj_moe_gen | v_proj_moe_gen
     self_attn.o_proj (gen rows)       o_proj_moe_gen

@@ -1,5 +1,6 @@
-"""The vllm-omni rollout engine: `AsyncOmni` with the FlowGRPO pipeline and worker extension, for Qwen-Image
-(`FlowGRPOQwenImagePipeline`) and BAGEL (`FlowGRPOBagelPipeline`, the single-stage deploy config, bf16).
+"""The vllm-omni rollout engine: `AsyncOmni` with the family's FlowGRPO pipeline and our worker extension, as the
+family's `VllmOmniRecipe` says (app/models/family.py: Qwen-Image's `FlowGRPOQwenImagePipeline`; BAGEL's
+`FlowGRPOBagelPipeline`, the single-stage deploy config, bf16).
 
 One request per prompt group (`num_outputs_per_prompt = n`, the batched path) by default; with
 `batched_groups=False` a group is n concurrent requests of one image each (for comparison). Both produce the same
@@ -7,9 +8,9 @@ images for the same seed: every image's noise comes from its own generator (app/
 Concurrent `generate` calls are fine: AsyncOmni queues them and batches up to `max_num_seqs` per forward (BAGEL:
 one request per forward).
 
-LoRA adapters arrive in memory (`stage_lora`, never files). Qwen-Image serves them through vllm-omni's LoRA
-manager; BAGEL through the pipeline's own hooks on the generation expert (app/rollout/vllm_omni/bagel_lora.py),
-selected per request by the version in `extra_args`.
+LoRA adapters arrive in memory (`stage_lora`, never files), served through vllm-omni's LoRA manager (Qwen-Image)
+or the pipeline's own hooks (BAGEL's generation expert, app/rollout/vllm_omni/bagel_lora.py), selected per
+request by the version in its FlowGRPO arguments. What engine and pipeline exchange: exchange.py.
 """
 
 from __future__ import annotations
@@ -23,18 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from app.models.family import get_family
 from app.models.lora import PIPELINE_PREFIX, transformer_key
 from app.rollout.seeding import draw_seed
-from app.rollout.vllm_omni.bagel_lora import split_adapter
-from app.rollout.vllm_omni.lora import to_vllm_omni
-from app.rollout.vllm_omni.pipeline import EXTRA_ARGS_KEY
+from app.rollout.vllm_omni.exchange import FlowGRPOArgs
+from app.rollout.vllm_omni.lora import LORA_DELIVERIES
 from app.types import GenerationRequest, LoraAdapter, Trajectory
 
-# by name: vllm-omni imports them in its worker process (importing them here would import vllm-omni's models)
-PIPELINE_CLASSES = {"qwen_image": "app.rollout.vllm_omni.pipeline.FlowGRPOQwenImagePipeline",
-                    "bagel": "app.rollout.vllm_omni.pipeline_bagel.FlowGRPOBagelPipeline"}
 WORKER_EXTENSION = "app.rollout.vllm_omni.worker.FlowGRPOWorkerExtension"
-BAGEL_DEPLOY_CONFIG = "bagel_single_stage.yaml"  # one stage: the DiT builds every context itself
 
 
 def _first_result(results):
@@ -53,12 +50,10 @@ class VllmOmniEngine:
 
     def __init__(self, model_path: str | os.PathLike, *, family: str = "qwen_image", dtype: str = "float32",
                  batched_groups: bool = True, max_num_seqs: int = 1, engine_kwargs: dict | None = None):
-        if family not in PIPELINE_CLASSES:
-            raise ValueError(f"family={family!r}: the vllm-omni engine serves {sorted(PIPELINE_CLASSES)}")
         self.model_path = str(Path(model_path).resolve())
         self.family = family
-        # vllm-omni hard-codes bf16 inside BAGEL's attention and MLP: other dtypes fail there
-        self.dtype = "bfloat16" if family == "bagel" else dtype
+        self.recipe = get_family(family).vllm_omni
+        self.dtype = self.recipe.dtype or dtype  # a dtype vllm-omni hard-codes for the family wins
         self.batched_groups = batched_groups
         self.max_num_seqs = max_num_seqs
         self.engine_kwargs = dict(engine_kwargs or {})
@@ -69,6 +64,12 @@ class VllmOmniEngine:
         self._ids = itertools.count()
         self._served = 0
         self._errors = 0
+
+    @classmethod
+    def from_config(cls, model, rollout) -> VllmOmniEngine:
+        """The engine of a run config's model and rollout sections."""
+        return cls(model.path, family=model.family, dtype=model.dtype, batched_groups=rollout.batched_groups,
+                   max_num_seqs=rollout.max_num_seqs)
 
     @property
     def lora_version(self) -> int:
@@ -82,34 +83,29 @@ class VllmOmniEngine:
             from vllm_omni import AsyncOmni
 
             kwargs = {"max_num_seqs": self.max_num_seqs}
-            if self.family == "bagel":  # its deploy config sets max_num_seqs: 1 (one request per forward)
-                kwargs = {"deploy_config": str(Path(vllm_omni.__file__).parent / "deploy" / BAGEL_DEPLOY_CONFIG)}
+            if self.recipe.deploy_config:  # it sets max_num_seqs itself (BAGEL's: one request per forward)
+                kwargs = {"deploy_config": str(Path(vllm_omni.__file__).parent / "deploy" / self.recipe.deploy_config)}
+            # the pipeline by name: vllm-omni imports it in its worker process
             self._omni = AsyncOmni(model=self.model_path, dtype=self.dtype,
-                                   custom_pipeline_args={"pipeline_class": PIPELINE_CLASSES[self.family]},
+                                   custom_pipeline_args={"pipeline_class": self.recipe.pipeline_class},
                                    worker_extension_cls=WORKER_EXTENSION, **kwargs, **self.engine_kwargs)
 
     def _sampling_params(self, request: GenerationRequest, seed: int, n: int, offset: int, version: int):
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
         from vllm_omni.lora.request import LoRARequest
 
-        flowgrpo = {"seed": seed, "sample_offset": offset, "noise_level": request.noise_level,
-                    "sde_type": request.sde_type,
-                    "sde_window": list(request.sde_window) if request.sde_window is not None else None}
-        if self.family == "bagel":  # T steps are T + 1 schedule points; the pipeline applies the LoRA itself
-            return OmniDiffusionSamplingParams(
-                height=request.height, width=request.width, num_inference_steps=request.num_inference_steps + 1,
-                num_outputs_per_prompt=n, seed=seed,
-                extra_args={EXTRA_ARGS_KEY: {**flowgrpo, "lora_version": version},
-                            "cfg_text_scale": request.guidance_scale, "cfg_img_scale": request.image_guidance_scale,
-                            "cfg_interval": tuple(request.cfg_interval), "cfg_renorm_type": request.cfg_renorm,
-                            "cfg_renorm_min": request.cfg_renorm_min, "timestep_shift": request.timestep_shift})
-        lora = None
-        if version > 0:  # the id is the version: staged in memory by the worker extension, never read from disk
-            lora = LoRARequest(f"flowgrpo-v{version}", version, f"/in-memory/flowgrpo/v{version}")
+        flowgrpo = FlowGRPOArgs(seed=seed, sample_offset=offset, noise_level=request.noise_level,
+                                sde_type=request.sde_type, sde_window=request.sde_window, lora_version=version)
+        guidance, extra = get_family(self.family).vllm_omni_guidance(request)
+        lora = {}
+        if self.recipe.lora_delivery == "vllm_manager" and version > 0:
+            # the id is the version: staged in memory by the worker extension, never read from disk
+            lora = {"lora_request": LoRARequest(f"flowgrpo-v{version}", version, f"/in-memory/flowgrpo/v{version}"),
+                    "lora_scale": 1.0}
         return OmniDiffusionSamplingParams(
-            height=request.height, width=request.width, num_inference_steps=request.num_inference_steps,
-            num_outputs_per_prompt=n, seed=seed, true_cfg_scale=request.guidance_scale, lora_request=lora,
-            lora_scale=1.0, extra_args={EXTRA_ARGS_KEY: flowgrpo})
+            height=request.height, width=request.width,
+            num_inference_steps=request.num_inference_steps + self.recipe.extra_schedule_points,
+            num_outputs_per_prompt=n, seed=seed, **guidance, **lora, extra_args={**flowgrpo.extra_args(), **extra})
 
     async def _run(self, request: GenerationRequest, params, kind: str = "flowgrpo"):
         """The final output of one vllm-omni request for `request`'s prompt (and negative prompt under CFG)."""
@@ -146,19 +142,13 @@ class VllmOmniEngine:
             self._errors += 1
             raise
         self._served += 1
-        side = outputs[0].trajectory_timesteps
-        if self.family == "bagel":
-            conditioning = {"family": "bagel", "conditioning": side["conditioning"]}
-        else:
-            conditioning = {"prompt_embeds": side["prompt_embeds"], "prompt_mask": side["prompt_mask"],
-                            "negative_prompt_embeds": side.get("negative_prompt_embeds"),
-                            "negative_prompt_mask": side.get("negative_prompt_mask")}
+        side = outputs[0].trajectory_timesteps  # exchange.py: the family's conditioning as Trajectory fields
         return Trajectory.sampled(
             request, seed=seed, lora_version=version,
             images=torch.cat([_images_uint8(o.images) for o in outputs]),
             latents=torch.cat([o.trajectory_latents for o in outputs]),
             log_probs=torch.cat([o.trajectory_log_probs for o in outputs]),
-            timesteps=side["timesteps"], sigmas=side["sigmas"], **conditioning,
+            timesteps=side["timesteps"], sigmas=side["sigmas"], family=self.family, **side["fields"],
             producer={"engine": self.kind, "pid": os.getpid(), "seconds": time.perf_counter() - started},
         )
 
@@ -187,13 +177,7 @@ class VllmOmniEngine:
             if adapter.version < self._lora_version:
                 raise ValueError(f"adapter version {adapter.version} is older than the served version "
                                  f"{self._lora_version}: publish a newer one, or None to reset to the base model")
-            if self.family == "bagel":  # the pipeline's hooks take the trainer's names (checked here, not there)
-                split_adapter(adapter)
-                tensors = {transformer_key(k): v.detach().contiguous() for k, v in adapter.tensors.items()}
-                peft_config = {"r": adapter.rank, "lora_alpha": adapter.alpha,
-                               "target_modules": list(adapter.target_modules)}
-            else:
-                tensors, peft_config = to_vllm_omni(adapter)
+            tensors, peft_config = LORA_DELIVERIES[self.recipe.lora_delivery](adapter)
             staged = _first_result(await self._omni.collective_rpc("stage_lora",
                                                                   args=(adapter.version, tensors, peft_config)))
             if staged != len(tensors):
@@ -202,9 +186,9 @@ class VllmOmniEngine:
             return adapter.version
 
     async def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
-        if self.family == "bagel":
-            raise NotImplementedError("full-weight updates of vllm-omni's BAGEL are not served: train a LoRA "
-                                      "(published with load_lora)")
+        if not self.recipe.weight_updates:
+            raise NotImplementedError(f"full-weight updates of vllm-omni's {self.family} are not served: train a "
+                                      "LoRA (published with load_lora)")
         await self.start()
         items = [(PIPELINE_PREFIX + transformer_key(k), v) for k, v in named_tensors.items()]  # vllm-omni's names
         return int(_first_result(await self._omni.collective_rpc("update_weights", args=(items,))))

@@ -2,24 +2,21 @@
 LoRA of the generation expert.
 
 Loaded by vllm-omni through `custom_pipeline_args={"pipeline_class": ...}` with the `bagel_single_stage` deploy
-config. Per request it reads the `flowgrpo` entry of `sampling_params.extra_args` (seed, sample_offset,
-noise_level, sde_type, sde_window, lora_version) and then:
+config. Per request it reads the request's `FlowGRPOArgs` (exchange.py: seed, sample_offset, noise_level,
+sde_type, sde_window, lora_version) and then:
 
 - builds the request's CFG contexts once (vllm-omni's own code: text, and for an edit the input image through the
   autoencoder and the ViT), recording what they were built from: the token ids the pipeline tokenized, and an
-  edit's encoded input image and ViT pixels (`Trajectory.conditioning`, app/models/bagel_context.py);
+  edit's encoded input image and ViT pixels (`Trajectory.conditioning`, app/models/bagel/context.py);
 - denoises the group's n samples over those contexts one after another (vllm-omni's BAGEL pipeline generates one
-  image per request), each from its own generator (app/rollout/seeding.py), with `app.algo.sde.sde_step` as
-  BAGEL's scheduler (its loop calls `scheduler.step(v, t, x, dt)`);
-- returns the n images, and through the trajectory fields:
-
-    trajectory_latents    [n, T+1, N, 64] fp32   x at every σ, as the model saw it
-    trajectory_log_probs  [n, T] fp32            log-prob of each taken step
-    trajectory_timesteps  dict: timesteps [T], sigmas [T+1], conditioning {name: tensor}
+  image per request), each from its own generator (app/rollout/seeding.py), with `app.algo.sampling`'s recorder
+  as BAGEL's scheduler (its loop calls `scheduler.step(v, t, x, dt)`);
+- returns the n images, and the trajectory through the fields of exchange.py (latents [n, T+1, N, 64]; the
+  conditioning as the trajectory's `conditioning`).
 
 vllm-omni's `num_inference_steps` counts schedule points: T steps take T + 1. The autoencoder encodes an edit's
 input image to its posterior mean (vllm-omni would sample it from the global RNG, so the same request would see a
-different input each time). Requests without a `flowgrpo` entry run the stock pipeline on the base model. BAGEL
+different input each time). Requests without FlowGRPO arguments run the stock pipeline on the base model. BAGEL
 runs in bf16 here (vllm-omni hard-codes it), so the trainer recomputes old log-probs (`train.old_logprob:
 recompute`). The CPU workarounds live in app/platform/vllm_omni/bagel_cpu.py.
 """
@@ -33,13 +30,13 @@ import torch
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.models.bagel.pipeline_bagel import BagelPipeline
 
-from app.algo.sde import sde_step
+from app.algo.sampling import TrajectoryRecorder
 from app.algo.sde_window import noise_levels
-from app.models.bagel import initial_latents, patchify, schedule
+from app.models.bagel.model import initial_latents, patchify, schedule
 from app.platform.vllm_omni import bagel_cpu
 from app.rollout.seeding import sample_generators
 from app.rollout.vllm_omni.bagel_lora import GenerationExpertLora
-from app.rollout.vllm_omni.pipeline import EXTRA_ARGS_KEY, _flowgrpo_args, _window
+from app.rollout.vllm_omni.exchange import FlowGRPOArgs, side_output
 from app.types import LoraAdapter
 
 if not torch.cuda.is_available():
@@ -60,28 +57,21 @@ class _Conditioning:
 
 
 class _SDEScheduler:
-    """BAGEL's scheduler hook for one sample: `step(v, t, x, dt)` with x, v [N, 64]; records the trajectory."""
+    """BAGEL's scheduler hook for one sample: `step(v, t, x, dt)` with x, v [N, 64], taken and recorded by
+    `app.algo.sampling`'s recorder (a batch of one)."""
 
     def __init__(self, sigmas: torch.Tensor, generator: torch.Generator, noise_levels: list[float], sde_type: str):
-        self.sigmas, self.generator = sigmas, generator
-        self.noise_levels, self.sde_type = noise_levels, sde_type  # η per step (0 outside an SDE window)
-        self.latents: list[torch.Tensor] = []
-        self.log_probs: list[torch.Tensor] = []
+        self.recorder = TrajectoryRecorder(sigmas, noise_levels, sde_type=sde_type, generators=[generator])
 
     def step(self, v: torch.Tensor, t, x: torch.Tensor, dt, **_):
-        i = len(self.log_probs)
-        sigma, sigma_next = float(self.sigmas[i]), float(self.sigmas[i + 1])
+        rec = self.recorder
+        i = rec.steps_taken
+        sigma, sigma_next = float(rec.sigmas[i]), float(rec.sigmas[i + 1])
         if abs(float(t) - sigma) > SCHEDULE_TOLERANCE or abs(float(t) - float(dt) - sigma_next) > SCHEDULE_TOLERANCE:
             raise RuntimeError(f"vllm-omni's BAGEL schedule (t={float(t)}, dt={float(dt)}) is not the recorded one "
                                f"({sigma} → {sigma_next}) at step {i}")
-        if i == 0:
-            self.latents.append(x.detach().float().clone())
-        out = sde_step(v[None], x[None], sigma, sigma_next, noise_level=self.noise_levels[i], sde_type=self.sde_type,
-                       sigma_max=float(self.sigmas[1]), generator=[self.generator], sample_dtype=x.dtype)
-        prev = out.prev_sample[0].to(x.dtype)
-        self.latents.append(prev.detach().float())
-        self.log_probs.append(out.log_prob[0].detach())
-        return SimpleNamespace(prev_sample=prev, log_prob=out.log_prob)
+        prev = rec.step(v[None], x[None])[0]
+        return SimpleNamespace(prev_sample=prev, log_prob=rec.log_probs[-1])
 
 
 class FlowGRPOBagelPipeline(BagelPipeline):
@@ -138,7 +128,7 @@ class FlowGRPOBagelPipeline(BagelPipeline):
         bagel.prepare_vit_images, vae.encode = recorded_vit_images, recorded_encode
 
     def _conditioning_tensors(self, rec: _Conditioning, prompt, sampling) -> dict[str, torch.Tensor]:
-        """The request's `Trajectory.conditioning` (app/models/bagel_context.py names)."""
+        """The request's `Trajectory.conditioning` (app/models/bagel/context.py names)."""
         text = prompt if isinstance(prompt, str) else (prompt.get("prompt") or "")
         text = text.removeprefix("<|im_start|>").removesuffix("<|im_end|>")  # as the pipeline strips it
         negative = prompt.get("negative_prompt") if isinstance(prompt, dict) else None
@@ -182,8 +172,8 @@ class FlowGRPOBagelPipeline(BagelPipeline):
         if len(req.prompts) != 1:
             raise ValueError(f"BAGEL generates one request per forward, got {len(req.prompts)} (max_num_seqs: 1)")
         sampling, prompt = req.sampling_params, req.prompts[0]
-        args = _flowgrpo_args(sampling)
-        self._use_lora(int(args.get("lora_version", 0)) if args else 0)
+        args = FlowGRPOArgs.of(sampling)
+        self._use_lora(args.lora_version if args else 0)
         if args is None:
             return super().forward(req)
         rec = self._conditioning = _Conditioning()
@@ -197,11 +187,11 @@ class FlowGRPOBagelPipeline(BagelPipeline):
         sigmas = schedule(params.num_timesteps, params.timestep_shift)
         n = sampling.num_outputs_per_prompt if sampling.num_outputs_per_prompt > 0 else 1
         num_tokens = inputs["packed_init_noises"].shape[0]
-        levels = noise_levels(float(args["noise_level"]), len(sigmas) - 1, _window(args))
+        levels = noise_levels(args.noise_level, len(sigmas) - 1, args.sde_window)
         images, latents, log_probs = [], [], []
-        for generator in sample_generators(int(args["seed"]), int(args["sample_offset"]), n):
+        for generator in sample_generators(args.seed, args.sample_offset, n):
             inputs["packed_init_noises"] = initial_latents([generator], num_tokens, device=self.device)[0]
-            scheduler = _SDEScheduler(sigmas, generator, levels, args["sde_type"])
+            scheduler = _SDEScheduler(sigmas, generator, levels, args.sde_type)
             with torch.autocast(device_type=self.device.type, enabled=self.device.type != "cpu",
                                 dtype=self.od_config.dtype):
                 final, *_ = self.bagel.generate_image(
@@ -216,13 +206,14 @@ class FlowGRPOBagelPipeline(BagelPipeline):
                     cfg_img_packed_position_ids=prepared["cfg_img_packed_position_ids"],
                     scheduler=scheduler)
             images.append(self._decode_image_from_latent(self.bagel, self.vae, final[0], prepared["image_shape"]))
-            latents.append(torch.stack(scheduler.latents).cpu())
-            log_probs.append(torch.stack(scheduler.log_probs).float().cpu())
-        side = {"timesteps": sigmas[:-1].clone(), "sigmas": sigmas,
-                "conditioning": self._conditioning_tensors(rec, prompt, sampling)}
+            sample_latents, sample_log_probs = scheduler.recorder.result()  # a batch of one
+            latents.append(sample_latents[0].cpu())
+            log_probs.append(sample_log_probs[0].cpu())
+        side = side_output(sigmas[:-1].clone(), sigmas,
+                           {"conditioning": self._conditioning_tensors(rec, prompt, sampling)})
         trajectory = {"latents": torch.stack(latents), "log_probs": torch.stack(log_probs), "timesteps": side}
         return DiffusionOutput(output={"payload": {"image": images, "trajectory": trajectory},
                                        "metadata": {"trajectory": {"type": "denoising"}}})
 
 
-__all__ = ["EXTRA_ARGS_KEY", "FlowGRPOBagelPipeline"]
+__all__ = ["FlowGRPOBagelPipeline"]

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 import torch
 from PIL import Image
 
-from app.models.bagel import BagelMoT, Context, Contexts, Guidance, patchify, score_steps
+from app.algo.sampling import score_steps
+from app.models.bagel.model import BagelMoT, Context, Contexts, Guidance, group_velocity, patchify
 
 BOS, EOS = "<|im_start|>", "<|im_end|>"
 IMAGE_START, IMAGE_END = "<|vision_start|>", "<|vision_end|>"
@@ -67,7 +68,7 @@ def edit_input_size(width: int, height: int, *, stride: int, max_latent_size: in
 def edit_conditioning(image: torch.Tensor, *, autoencoder, autoencoder_params: dict, image_processor,
                       stride: int, max_latent_size: int, latent_patch: int = 2) -> dict[str, torch.Tensor]:
     """An edit's input image (uint8 [H, W, 3]) as edit_latents, edit_grid and edit_vit (see the module doc)."""
-    from app.models.flux_ae import encode
+    from app.models.bagel.flux_ae import encode
 
     picture = Image.fromarray(image.numpy())
     size = edit_input_size(picture.width, picture.height, stride=stride, max_latent_size=max_latent_size)
@@ -174,7 +175,7 @@ def latent_grid(model: BagelMoT, height: int, width: int) -> tuple[int, int]:
 def score_trajectory(model: BagelMoT, traj, steps: Sequence[int], samples: Sequence[int], *,
                      flow_grpo_compat: bool = False, uniform: bool = False) -> list:
     """Re-score a BAGEL trajectory's transitions at `steps` for group members `samples` under `model` as it
-    stands: the contexts are rebuilt from the stored conditioning, then `bagel.score_steps`.
+    stands: the contexts are rebuilt from the stored conditioning, then `app.algo.sampling.score_steps`.
 
     The contexts are rebuilt under the current adapter but not differentiated: the policy gradient flows through
     the velocity of the image being generated. (A text context does not depend on the adapter at all; an edit's
@@ -183,6 +184,9 @@ def score_trajectory(model: BagelMoT, traj, steps: Sequence[int], samples: Seque
     with torch.no_grad():
         contexts = build_contexts(model, traj.conditioning, guidance, uniform=uniform)
     marks = tuple(int(i) for i in traj.conditioning["image_tokens"])
-    return score_steps(model, contexts, guidance, latents=traj.latents[list(samples)], steps=steps,
-                       grid=latent_grid(model, traj.height, traj.width), image_tokens=marks, sigmas=traj.sigmas,
-                       noise_levels=traj.step_noise_levels, sde_type=traj.sde_type, flow_grpo_compat=flow_grpo_compat)
+    param = next(model.parameters())
+    velocity = group_velocity(model, contexts, guidance, sigmas=traj.sigmas,
+                              grid=latent_grid(model, traj.height, traj.width), image_tokens=marks)
+    return score_steps(velocity, traj.latents[list(samples)], steps, traj.sigmas, traj.step_noise_levels,
+                       sde_type=traj.sde_type, flow_grpo_compat=flow_grpo_compat, device=param.device,
+                       dtype=param.dtype)

@@ -4,7 +4,7 @@ The folder has upstream BAGEL's files and tensor names, so our pure-torch model 
 both load it like the real checkpoint:
 - `config.json` (the top-level BAGEL config, with `llm_config`, `vit_config`, `vae_config` inside),
   `llm_config.json` (a Qwen2 config with `qk_norm`), `vit_config.json` (SigLIP), `preprocessor_config.json`;
-- tokenizer files: the tiny byte-level BPE of `app.models.tiny` (Qwen2 tokenizer) plus `<|fim_middle|>`;
+- tokenizer files: the tiny byte-level BPE of `app.models.qwen_image.tiny` (Qwen2 tokenizer) plus `<|fim_middle|>`;
 - `ema.safetensors`: the Mixture-of-Transformers LLM (every layer has an understanding expert, the plain names,
   and a generation expert, the `*_moe_gen` names), the timestep embedder, the latent connectors (`vae2llm`,
   `llm2vae`), the 2-D sin-cos position tables, the SigLIP ViT (`vit_model.vision_model.*`) and its connector;
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.models.flux_ae import FLUX_AE, TINY_AE_KEY, diffusers_to_ldm_vae, flux_autoencoder
-from app.models.tiny import SPECIAL_TOKENS, train_tokenizer, write_build
+from app.models.bagel.flux_ae import FLUX_AE, TINY_AE_KEY, diffusers_to_ldm_vae, flux_autoencoder
+from app.models.builds import SPECIAL_TOKENS, train_tokenizer, write_build
 
 BUILDER_VERSION = 1
 FIM_MIDDLE = "<|fim_middle|>"  # the edit-image placeholder of BAGEL's prompts
@@ -53,7 +53,7 @@ TINY_AE = dict(resolution=256, in_channels=3, downsample=8, ch=32, out_ch=3, ch_
 @dataclass(frozen=True)
 class BagelSize:
     """Every size of a random BAGEL checkpoint and how its weights are drawn; the defaults are the tiny one's
-    (`app.models.real_width_bagel` sets BAGEL-7B-MoT's)."""
+    (`app.models.bagel.real_width` sets BAGEL-7B-MoT's)."""
 
     hidden: int = HIDDEN
     intermediate: int = INTERMEDIATE

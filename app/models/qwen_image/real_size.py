@@ -2,7 +2,8 @@
 
 The transformer is Qwen-Image's own (60 MMDiT blocks, 24 heads of 128 = 3072 wide, 20.4B parameters) and so is
 the VAE; the text encoder has the real width (3584, the transformer's `joint_attention_dim`) but only a few
-layers, since prompt encoding is a tiny share of the work; the tokenizer is the tiny one (app/models/tiny.py).
+layers, since prompt encoding is a tiny share of the work; the tokenizer is the tiny one
+(app/models/builds.py).
 Weights are bf16, drawn from N(0, 0.02) per matrix (norm scales 1, biases 0) with one seeded generator on the build
 device: same seed and device type, identical tensors. The transformer is made on the meta device and materialised
 straight on the GPU, so the build never holds 80 GB of fp32 on the CPU.
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from app.models import tiny
+from app.models import builds
+from app.models.qwen_image import tiny
 
 PRESET = "qwen-image-full"
 BUILDER_VERSION = 1
@@ -47,7 +49,7 @@ def full_random_components(seed: int = 0, *, num_layers: int = 60, text_layers: 
     from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    tokenizer = tiny.train_tokenizer()
+    tokenizer = builds.train_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):
@@ -93,4 +95,4 @@ def build_full_random_qwen_image(out_dir: str | os.PathLike, seed: int = 0, *, n
         components = full_random_components(seed, num_layers=num_layers, text_layers=text_layers, device=device)
         QwenImagePipeline(**components).save_pretrained(staging, max_shard_size="5GB")
 
-    return tiny.write_build(out, wanted, save, overwrite=overwrite)
+    return builds.write_build(out, wanted, save, overwrite=overwrite)

@@ -1,11 +1,11 @@
 """Random BAGEL checkpoints at BAGEL-7B-MoT's real layer width, built locally (no hub access exists on our machines).
 
-The files and tensor names are the tiny builder's (`app.models.tiny_bagel.save_bagel`, upstream BAGEL's layout), at
+The files and tensor names are the tiny builder's (`app.models.bagel.tiny.save_bagel`, upstream BAGEL's layout), at
 the real sizes:
 - the Mixture-of-Transformers LLM of Qwen2.5-7B's width: hidden 3584, MLP 18944, 28 query heads and 4 key/value
   heads of 128, both experts in every layer, but only a few of the 28 layers (`layers`, default 4);
 - the embedding and LM head at the real vocabulary size, 152064 rows, though the tokenizer is the tiny one
-  (`app.models.tiny`, ~1k tokens; it only indexes the first rows): a real tokenizer cannot be built here, and the
+  (`app.models.builds`, ~1k tokens; it only indexes the first rows): a real tokenizer cannot be built here, and the
   unused rows keep the memory of the weights what BAGEL's are (2 x 1.1 GB in bf16);
 - latent grids up to 64 x 64 tokens (`max_latent_size` 64: 1024 px; 512 px images use the table's top-left
   corner), 16-channel latents in 2 x 2 patches;
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from app.models.flux_ae import FLUX_AE
-from app.models.tiny import write_build
-from app.models.tiny_bagel import BagelSize, save_bagel
+from app.models.bagel.flux_ae import FLUX_AE
+from app.models.bagel.tiny import BagelSize, save_bagel
+from app.models.builds import write_build
 
 PRESET = "bagel-real-width"
 BUILDER_VERSION = 1

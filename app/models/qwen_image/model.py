@@ -17,7 +17,8 @@ import torch
 from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-from app.algo.sde import SDEStepOutput, sde_step
+from app.algo.sampling import Velocity, score_steps
+from app.algo.sde import SDEStepOutput
 from app.types import Trajectory
 
 VAE_SCALE_FACTOR = 8  # 2 ** len(temperal_downsample) of the Qwen-Image VAE
@@ -101,21 +102,34 @@ def velocity(
 
 
 def _batch_embeds(embeds: torch.Tensor, mask: torch.Tensor, batch: int, device, dtype):
-    """A group's [S, D] embeddings and [S] mask repeated for a batch of its samples."""
+    """A group's [S, D] embeddings and [S] mask repeated for a batch of its samples (views)."""
     return (embeds.to(device=device, dtype=dtype).unsqueeze(0).expand(batch, -1, -1),
             mask.to(device=device).unsqueeze(0).expand(batch, -1))
 
 
-def score_steps(
-    transformer,
-    traj: Trajectory,
-    steps: Sequence[int],
-    *,
-    samples: Sequence[int] | None = None,
-    flow_grpo_compat: bool = False,
-    dtype: torch.dtype | None = None,
-) -> list[SDEStepOutput]:
-    """Re-score the stored transitions x_{steps[k]} → x_{steps[k]+1} of a trajectory under `transformer`.
+def group_velocity(transformer, timesteps: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
+                   negative_embeds: torch.Tensor | None, negative_mask: torch.Tensor | None, *, batch: int,
+                   height: int, width: int, guidance_scale: float, device, dtype) -> Velocity:
+    """The velocity function of `batch` samples of one prompt group (`app.algo.sampling`): v(x, i) at the
+    schedule's timestep i; the group's [S, D] prompt states (and negative ones under CFG) are shared by every
+    sample."""
+    shapes = img_shapes(batch, height, width)
+    pos_e, pos_m = _batch_embeds(embeds, mask, batch, device, dtype)
+    neg_e = neg_m = None
+    if guidance_scale > 1:
+        neg_e, neg_m = _batch_embeds(negative_embeds, negative_mask, batch, device, dtype)
+
+    def v(x: torch.Tensor, i: int) -> torch.Tensor:
+        return velocity(transformer, x, timesteps[i].to(device), pos_e, pos_m, shapes, guidance_scale=guidance_scale,
+                        negative_prompt_embeds=neg_e, negative_prompt_mask=neg_m)
+
+    return v
+
+
+def score_trajectory(transformer, traj: Trajectory, steps: Sequence[int], samples: Sequence[int] | None = None, *,
+                     flow_grpo_compat: bool = False, dtype: torch.dtype | None = None) -> list[SDEStepOutput]:
+    """Re-score the stored transitions x_{steps[k]} → x_{steps[k]+1} of a trajectory under `transformer`
+    (`app.algo.sampling.score_steps`).
 
     The transformer may carry a peft LoRA (enabled or disabled by the caller) and may require grad: the returned
     log-probs and means are differentiable. samples: which members of the group (default all).
@@ -124,26 +138,11 @@ def score_steps(
     param = next(transformer.parameters())
     device, dtype = param.device, dtype or param.dtype
     idx = list(range(traj.group_size)) if samples is None else list(samples)
-    batch = len(idx)
-    shapes = img_shapes(batch, traj.height, traj.width)
-    embeds, mask = _batch_embeds(traj.prompt_embeds, traj.prompt_mask, batch, device, dtype)
-    neg_embeds = neg_mask = None
-    if traj.do_cfg:
-        neg_embeds, neg_mask = _batch_embeds(traj.negative_prompt_embeds, traj.negative_prompt_mask, batch, device,
-                                             dtype)
-    outputs = []
-    for i in steps:
-        if not 0 <= i < traj.num_inference_steps:
-            raise ValueError(f"step {i} is outside the trajectory's {traj.num_inference_steps} steps")
-        x = traj.latents[idx, i].to(device=device, dtype=dtype)  # [B, L, 4C] as the rollout fed it
-        v = velocity(transformer, x, traj.timesteps[i].to(device), embeds, mask, shapes,
-                     guidance_scale=traj.guidance_scale, negative_prompt_embeds=neg_embeds,
-                     negative_prompt_mask=neg_mask)
-        outputs.append(sde_step(
-            v, x, traj.sigmas[i].item(), traj.sigmas[i + 1].item(), noise_level=traj.step_noise_levels[i],
-            sde_type=traj.sde_type, sigma_max=traj.sigmas[1].item(),
-            prev_sample=traj.latents[idx, i + 1].to(device), flow_grpo_compat=flow_grpo_compat))
-    return outputs
+    v = group_velocity(transformer, traj.timesteps, traj.prompt_embeds, traj.prompt_mask,
+                       traj.negative_prompt_embeds, traj.negative_prompt_mask, batch=len(idx), height=traj.height,
+                       width=traj.width, guidance_scale=traj.guidance_scale, device=device, dtype=dtype)
+    return score_steps(v, traj.latents[idx], steps, traj.sigmas, traj.step_noise_levels, sde_type=traj.sde_type,
+                       flow_grpo_compat=flow_grpo_compat, device=device, dtype=dtype)
 
 
 def decode_images(vae, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

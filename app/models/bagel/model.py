@@ -35,8 +35,8 @@ from diffusers.loaders import PeftAdapterMixin
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
-GENERATION_TARGETS = ["q_proj_moe_gen", "k_proj_moe_gen", "v_proj_moe_gen", "o_proj_moe_gen",
-                      "mlp_moe_gen.gate_proj", "mlp_moe_gen.up_proj", "mlp_moe_gen.down_proj"]
+from app.algo.sampling import sample_trajectory
+from app.models.bagel import GENERATION_TARGETS  # noqa: F401 (named in the docstring: the LoRA's targets)
 
 
 class RMSNorm(nn.Module):
@@ -504,44 +504,24 @@ def initial_latents(generators, num_tokens: int, channels: int = 64, dtype: torc
                         for g in generators])  # drawn where each generator lives (fp32), then moved
 
 
+def group_velocity(model: BagelMoT, contexts: Contexts, guidance: Guidance, *, sigmas: torch.Tensor,
+                   grid: tuple[int, int], image_tokens: tuple[int, int]):
+    """The guided velocity function of a group's samples (`app.algo.sampling`): v(x, i) at σ = sigmas[i] over the
+    group's CFG contexts."""
+
+    def v(x: torch.Tensor, i: int) -> torch.Tensor:
+        return guided_velocity(model, x, float(sigmas[i]), contexts, guidance, grid, image_tokens)
+
+    return v
+
+
 def sample_group(model: BagelMoT, contexts: Contexts, guidance: Guidance, *, generators, grid: tuple[int, int],
                  image_tokens: tuple[int, int], sigmas: torch.Tensor, noise_levels: Sequence[float],
                  sde_type: str = "sde") -> tuple[torch.Tensor, torch.Tensor]:
-    """Denoise len(generators) samples with the FlowGRPO SDE: (latents [n, T+1, N, 64] at every σ visited,
+    """Denoise len(generators) samples with the FlowGRPO SDE: (latents [n, T+1, N, 64] fp32 at every σ visited,
     log-probs [n, T] of the steps taken). The generators draw the initial noise and then every step's noise.
     noise_levels: η of each step (0 outside an SDE window: the ODE step)."""
-    from app.algo.sde import sde_step
-
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    x = initial_latents(generators, grid[0] * grid[1], dtype=dtype, device=device)
-    visited, log_probs = [x], []
-    for i in range(sigmas.shape[0] - 1):
-        v = guided_velocity(model, x, float(sigmas[i]), contexts, guidance, grid, image_tokens)
-        out = sde_step(v, x, float(sigmas[i]), float(sigmas[i + 1]), noise_level=noise_levels[i],
-                       sde_type=sde_type, sigma_max=float(sigmas[1]), generator=list(generators), sample_dtype=dtype)
-        x = out.prev_sample
-        visited.append(x)
-        log_probs.append(out.log_prob)
-    return torch.stack(visited, dim=1), torch.stack(log_probs, dim=1)
-
-
-def score_steps(model: BagelMoT, contexts: Contexts, guidance: Guidance, *, latents: torch.Tensor, steps,
-                grid: tuple[int, int], image_tokens: tuple[int, int], sigmas: torch.Tensor,
-                noise_levels: Sequence[float], sde_type: str = "sde", flow_grpo_compat: bool = False) -> list:
-    """Re-score stored transitions latents[:, i] → latents[:, i + 1] for each i of `steps` (latents [B, T+1, N, 64]
-    of some members of a group): one `SDEStepOutput` per step, differentiable w.r.t. the model's LoRA."""
-    from app.algo.sde import sde_step
-
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    outputs = []
-    for i in steps:
-        if not 0 <= i < sigmas.shape[0] - 1:
-            raise ValueError(f"step {i} is outside the trajectory's {sigmas.shape[0] - 1} steps")
-        x = latents[:, i].to(device=device, dtype=dtype)
-        v = guided_velocity(model, x, float(sigmas[i]), contexts, guidance, grid, image_tokens)
-        outputs.append(sde_step(v, x, float(sigmas[i]), float(sigmas[i + 1]), noise_level=noise_levels[i],
-                                sde_type=sde_type, sigma_max=float(sigmas[1]),
-                                prev_sample=latents[:, i + 1].to(device), flow_grpo_compat=flow_grpo_compat))
-    return outputs
+    param = next(model.parameters())
+    x = initial_latents(generators, grid[0] * grid[1], dtype=param.dtype, device=param.device)
+    velocity = group_velocity(model, contexts, guidance, sigmas=sigmas, grid=grid, image_tokens=image_tokens)
+    return sample_trajectory(velocity, x, sigmas, noise_levels, sde_type=sde_type, generators=list(generators))

@@ -1,0 +1,169 @@
+"""The one face of a model family: what the rest of the code asks a family, and the registry keyed by
+`model.family`.
+
+A family is a folder of app/models/ (`qwen_image/`, `bagel/`) whose `__init__.py` defines `FAMILY`, an object
+with the attributes and methods of `ModelFamily` below. Everything that differs between families lives behind it:
+the denoiser and how a stored step is scored, the conditioning and its limits, LoRA targets, the checkpoint layout,
+the tiny and real-size builders, the FLOPs of a forward, and how vllm-omni serves the family. The rest of the code
+asks the family and never branches on its name. Adding a family: docs/model_families.md.
+
+Importing this module or a family's `__init__` imports neither torch nor diffusers (a config is read without
+them); the methods import what they need.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from app.algo.sde import SDEStepOutput
+    from app.types import GenerationRequest, Trajectory
+
+# the registered families, in the order the docs list them; a family's folder is app/models/<name>/
+FAMILY_NAMES = ("qwen_image", "bagel")
+VLLM_OMNI = "vllm_omni"  # the serving engine's name (every family runs on it)
+
+
+@dataclass(frozen=True)
+class VllmOmniRecipe:
+    """How vllm-omni serves a family (app/rollout/vllm_omni/engine.py reads it)."""
+
+    # our FlowGRPO pipeline subclass, by import path (vllm-omni imports it in its worker process)
+    pipeline_class: str
+    # a deploy config shipped with vllm-omni (None: the engine's arguments alone)
+    deploy_config: str | None = None
+    # a compute dtype vllm-omni hard-codes for the family (None: model.dtype)
+    dtype: str | None = None
+    # vllm-omni's num_inference_steps minus ours (BAGEL counts schedule points: T steps are T + 1 points)
+    extra_schedule_points: int = 0
+    # how a LoRA is served: "vllm_manager" (vllm's LoRA manager, selected by a LoRARequest) or "pipeline_hooks"
+    # (the pipeline's own hooks, selected by the version in the request's FlowGRPO arguments)
+    lora_delivery: str = "vllm_manager"
+    # full transformer weight updates (`update_weights`)
+    weight_updates: bool = True
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A checkpoint `jobs.make_tiny_models --preset NAME` builds: `build(out, seed=, layers=, overwrite=)`."""
+
+    build: Callable[..., Path]
+    description: str
+    layers_help: str | None = None  # what --layers means for it (None: not taken)
+
+
+class ModelFamily(Protocol):
+    name: str
+    # the rollout engines that serve it: name -> engine class by import path (`rollout.engine` picks one)
+    engines: dict[str, str]
+    # the engines whose log-probs equal the trainer's exactly (the others need train.old_logprob=recompute)
+    exact_engines: tuple[str, ...]
+    # peft target modules of the trained denoiser when the config names none
+    lora_targets: tuple[str, ...]
+    # what `save_adapter` writes, as the run's summary tells the user
+    adapter_format: str
+    # files that identify a checkpoint folder of the family, and what such a folder is
+    checkpoint_files: tuple[str, ...]
+    checkpoint_layout: str
+    # edits (a request with an input image)
+    supports_edits: bool
+    vllm_omni: VllmOmniRecipe
+    presets: dict[str, Preset]
+
+    def build_tiny(self, path: str | Path, seed: int = 0) -> Path:
+        """The deterministic tiny random checkpoint at `path` (kept when an identical build is there)."""
+
+    def load_denoiser(self, path: str | Path, *, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        """The trained module (frozen weights, no adapter yet), from a checkpoint folder."""
+
+    def denoiser_config(self, path: str | Path) -> Any:
+        """The denoiser's config (what `forward_flops` reads) from a checkpoint folder, without loading weights."""
+
+    def shard_units(self, denoiser: torch.nn.Module) -> tuple[list[torch.nn.Module], bool]:
+        """(FSDP2 units, whether the root is sharded too)."""
+
+    def score(self, denoiser: torch.nn.Module, traj: Trajectory, steps: Sequence[int], samples: Sequence[int], *,
+              flow_grpo_compat: bool, uniform: bool) -> list[SDEStepOutput]:
+        """Re-score a trajectory's stored steps under `denoiser` as it stands (`app.algo.sampling.score_steps`).
+        uniform: every rank makes the same forwards whatever the group (FSDP2)."""
+
+    def forward_flops(self, config: Any, traj: Trajectory) -> tuple[float, int]:
+        """(matmul FLOPs of one denoiser forward of one image, forwards per denoising step) for a trajectory of
+        the family, from the denoiser's config."""
+
+    def prompt_checker(self, path: str | Path) -> Callable[[GenerationRequest], tuple[str, str] | None]:
+        """A check of a request's texts against the family's text limit, with what it needs loaded from the
+        checkpoint (its tokenizer): (field, why) of the first text over it, or None."""
+
+    def save_adapter(self, directory: str | Path, tensors: dict[str, torch.Tensor], *, rank: int, alpha: float,
+                     target_modules: Sequence[str]) -> Path:
+        """The adapter as the family's tools load it; the weights file written."""
+
+    def vllm_omni_guidance(self, request: GenerationRequest) -> tuple[dict, dict]:
+        """(sampling-parameter fields, extra_args entries) that carry the request's guidance to the pipeline."""
+
+
+@dataclass(frozen=True)
+class FamilyBase:
+    """What families share: the registry's view of a family and the checks that need only its declared facts."""
+
+    name: str
+    engines: dict[str, str]
+    exact_engines: tuple[str, ...]
+    lora_targets: tuple[str, ...]
+    adapter_format: str
+    checkpoint_files: tuple[str, ...]
+    checkpoint_layout: str
+    supports_edits: bool
+    vllm_omni: VllmOmniRecipe
+    presets: dict[str, Preset] = field(default_factory=dict)
+
+    def checkpoint_problem(self, path: str | Path) -> str | None:
+        """None when `path` looks like a checkpoint of the family, else what is missing."""
+        missing = [name for name in self.checkpoint_files if not (Path(path) / name).is_file()]
+        return f"is not {self.checkpoint_layout} (missing {', '.join(missing)})" if missing else None
+
+    def engine_class(self, engine: str) -> type:
+        """The rollout engine class `engine` names for this family."""
+        if engine not in self.engines:
+            raise ValueError(f"rollout.engine={engine} cannot run model.family={self.name}: use one of "
+                             f"{list(self.engines)}")
+        module, _, name = self.engines[engine].rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+def prompt_fields_checker(problem: Callable[[str], str | None]):
+    """The check of a request's prompt and (under CFG) negative prompt by `problem(text)` (why a text is over the
+    family's limit, or None)."""
+
+    def check(request: GenerationRequest) -> tuple[str, str] | None:
+        texts = [("prompt", request.prompt)]
+        if request.do_cfg and request.negative_prompt:
+            texts.append(("negative_prompt", request.negative_prompt))
+        for field_name, text in texts:
+            if (why := problem(text)) is not None:
+                return field_name, why
+        return None
+
+    return check
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family registered as `name` (its folder's `FAMILY`)."""
+    if str(name) not in FAMILY_NAMES:
+        raise ValueError(f"model.family={name!r} is not one of {list(FAMILY_NAMES)}")
+    return importlib.import_module(f"app.models.{name}").FAMILY
+
+
+def all_engines() -> tuple[str, ...]:
+    """Every engine name some family runs on (the config's choices), serving engine first."""
+    names = [VLLM_OMNI]
+    for family in FAMILY_NAMES:
+        names += [e for e in get_family(family).engines if e not in names]
+    return tuple(names)

@@ -1,0 +1,107 @@
+"""Qwen-Image: a diffusers MMDiT (`QwenImageTransformer2DModel`) conditioned on Qwen2.5-VL text states, true CFG,
+2x2-packed latents, a resolution-shifted flow-matching schedule. The family's face (`FAMILY`); its parts:
+
+    model.py      schedule, packing, the velocity with true CFG, re-scoring a stored trajectory, decoding
+    flops.py      FLOPs of a transformer forward
+    tiny.py       the deterministic tiny random checkpoint (tests, the CPU demo)
+    real_size.py  a random checkpoint of the real size (20.4B transformer), built on the GPU
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.models.family import VLLM_OMNI, FamilyBase, Preset, VllmOmniRecipe, prompt_fields_checker
+
+NAME = "qwen_image"
+TEXT_TOKEN_LIMIT = 1024  # the pipelines' tokenizer_max_length: prompt tokens after the template's own
+
+
+def _build_tiny(out, *, seed=0, layers=None, overwrite=False) -> Path:
+    from app.models.qwen_image.tiny import build_tiny_qwen_image
+
+    return build_tiny_qwen_image(out, seed=seed, overwrite=overwrite)
+
+
+def _build_real_size(out, *, seed=0, layers=None, overwrite=False) -> Path:
+    from app.models.qwen_image.real_size import build_full_random_qwen_image
+
+    return build_full_random_qwen_image(out, seed=seed, num_layers=layers or 60, overwrite=overwrite)
+
+
+class QwenImage(FamilyBase):
+    def build_tiny(self, path, seed: int = 0) -> Path:
+        return _build_tiny(path, seed=seed)
+
+    def load_denoiser(self, path, *, dtype, device):
+        from diffusers import QwenImageTransformer2DModel
+
+        # on a GPU the weights go straight there (a 20B model never sits in the host's memory)
+        placement = {"device_map": {"": device}} if device.type == "cuda" else {}
+        return QwenImageTransformer2DModel.from_pretrained(Path(path) / "transformer", dtype=dtype, **placement)
+
+    def denoiser_config(self, path):
+        from diffusers import QwenImageTransformer2DModel
+
+        return QwenImageTransformer2DModel.load_config(Path(path) / "transformer")
+
+    def shard_units(self, denoiser):
+        return list(denoiser.transformer_blocks), True
+
+    def score(self, denoiser, traj, steps, samples, *, flow_grpo_compat=False, uniform=False):
+        from app.models.qwen_image.model import score_trajectory
+
+        return score_trajectory(denoiser, traj, steps, samples=samples, flow_grpo_compat=flow_grpo_compat)
+
+    def forward_flops(self, config, traj):
+        from app.models.qwen_image.flops import trajectory_forward_flops
+
+        return trajectory_forward_flops(config, traj)
+
+    def prompt_checker(self, path):
+        """A prompt may take TEXT_TOKEN_LIMIT tokens, counted as the pipelines count them: the tokens Qwen's chat
+        template around the prompt adds are not the prompt's."""
+        from transformers import Qwen2Tokenizer
+
+        from app.models.builds import QWEN_IMAGE_TEMPLATE
+
+        tokenizer = Qwen2Tokenizer.from_pretrained(Path(path) / "tokenizer")
+        template = len(tokenizer(QWEN_IMAGE_TEMPLATE.format("")).input_ids)
+
+        def problem(text: str) -> str | None:
+            tokens = len(tokenizer(QWEN_IMAGE_TEMPLATE.format(text)).input_ids) - template
+            if tokens <= TEXT_TOKEN_LIMIT:
+                return None
+            return f"is {tokens} tokens under Qwen-Image's prompt template; the limit is {TEXT_TOKEN_LIMIT}: shorten it"
+
+        return prompt_fields_checker(problem)
+
+    def save_adapter(self, directory, tensors, *, rank, alpha, target_modules) -> Path:
+        """As diffusers writes LoRAs: `QwenImagePipeline.load_lora_weights(directory)` loads it."""
+        from diffusers import QwenImagePipeline
+
+        QwenImagePipeline.save_lora_weights(
+            directory, transformer_lora_layers=tensors,
+            transformer_lora_adapter_metadata={"r": rank, "lora_alpha": alpha,
+                                               "target_modules": sorted(target_modules)})
+        return Path(directory) / "pytorch_lora_weights.safetensors"
+
+    def vllm_omni_guidance(self, request):
+        return {"true_cfg_scale": request.guidance_scale}, {}
+
+
+FAMILY = QwenImage(
+    name=NAME,
+    engines={VLLM_OMNI: "app.rollout.vllm_omni.engine.VllmOmniEngine",
+             "diffusers": "app.rollout.diffusers_engine.DiffusersEngine"},  # the parity oracle, on plain diffusers
+    exact_engines=(VLLM_OMNI, "diffusers"),
+    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+    adapter_format="QwenImagePipeline.load_lora_weights(...) loads it",
+    checkpoint_files=("model_index.json",),
+    checkpoint_layout="a diffusers Qwen-Image folder",
+    supports_edits=False,
+    vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_qwen_image.FlowGRPOQwenImagePipeline"),
+    presets={"tiny": Preset(_build_tiny, "tiny random Qwen-Image: fp32, ~3.5 MB, CPU"),
+             "qwen-image-full": Preset(_build_real_size, "Qwen-Image's real size (20.4B transformer), random, bf16, "
+                                       "built on the GPU (~42 GB)", "transformer blocks (default and real: 60)")},
+)
