@@ -5,10 +5,9 @@ any engine sees it. `Trajectory` is what comes back: the images and everything t
 same steps again (latents visited, schedule, log-probs, the prompt embeddings actually used), so nothing is
 recomputed by guessing. `LoraAdapter` is a LoRA of the transformer in peft/diffusers naming, in memory.
 
-Two model families share the records (`Trajectory.family`). Qwen-Image conditions on text-encoder states
-(`prompt_embeds`); BAGEL conditions on a context its own LLM builds from token ids and, for an edit, the input
-image, so its trajectories carry those inputs (`conditioning`) and the trainer rebuilds the context under the
-current LoRA.
+Every model family shares the records (`Trajectory.family` names it). A family conditions either on text-encoder
+states (`prompt_embeds`: Qwen-Image) or on a context its own model builds from token ids and, for an edit, the
+input image (`conditioning`: BAGEL), which the trainer rebuilds under the current LoRA.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ import torch
 from app.algo.sde import SDE_TYPES
 from app.algo.sde_window import noise_levels, stochastic_steps
 from app.image_size import side_problem
-
-FAMILIES = ("qwen_image", "bagel")  # app.config.ModelFamily's values
 
 MAX_GROUP_SIZE = 256
 MAX_SEED = 2**63 - 1
@@ -219,21 +216,24 @@ class Trajectory:
             (self.log_probs.shape == (n, steps), f"log_probs {tuple(self.log_probs.shape)} must be [{n}, {steps}]"),
             (self.timesteps.shape == (steps,), f"timesteps {tuple(self.timesteps.shape)} must be [{steps}]"),
             (self.sigmas.shape == (t1,), f"sigmas {tuple(self.sigmas.shape)} must be [{t1}]"),
-            (self.family in FAMILIES, f"family {self.family!r} must be one of {FAMILIES}"),
             (_window_problem(self.sde_window, steps) is None, f"sde_window {self.sde_window} must lie in [0, {steps}]"),
         ]
-        if self.family == "qwen_image":
+        # the conditioning travels in one of two forms (app/models/<family>: which one the family uses)
+        checks.append((self.prompt_embeds is not None or bool(self.conditioning),
+                       "a trajectory must carry its conditioning: prompt_embeds (text-encoder states) or conditioning "
+                       "(what the denoiser builds its context from)"))
+        if self.prompt_embeds is not None:
             checks += [
-                (self.prompt_embeds is not None and self.prompt_embeds.ndim == 2 and self.prompt_mask is not None
+                (self.prompt_embeds.ndim == 2 and self.prompt_mask is not None
                  and self.prompt_mask.shape == self.prompt_embeds.shape[:1],
                  "prompt_embeds must be [S, D] with prompt_mask [S]"),
                 ((self.negative_prompt_embeds is None) == (self.guidance_scale <= 1),
                  "negative_prompt_embeds must be present exactly when guidance_scale > 1"),
             ]
-        else:
+        if self.conditioning:
             ids = self.conditioning.get("prompt_ids")
             checks.append((ids is not None and ids.ndim == 1 and not ids.is_floating_point(),
-                           "a BAGEL trajectory's conditioning must hold prompt_ids [S] (token ids)"))
+                           "conditioning must hold prompt_ids [S] (token ids)"))
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"inconsistent Trajectory: {message}")

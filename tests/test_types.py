@@ -119,6 +119,6 @@ def test_an_edit_request_and_a_bagel_trajectory():
                   guidance_scale=4.0)
     assert "conditioning.prompt_ids" in bagel.tensors() and "prompt_embeds" not in bagel.tensors()
     with pytest.raises(ValueError, match="prompt_ids"):
-        _traj(family="bagel", conditioning={})
-    with pytest.raises(ValueError, match="family"):
-        _traj(family="flux")
+        _traj(family="bagel", prompt_embeds=None, prompt_mask=None, conditioning={"edit_grid": ids})
+    with pytest.raises(ValueError, match="must carry its conditioning"):  # neither form
+        _traj(family="bagel", prompt_embeds=None, prompt_mask=None, conditioning={})

@@ -1,5 +1,6 @@
 """What vllm-omni 0.30's BAGEL pipeline needs to run on the CPU (and, for the tiny test model, nothing more):
-every workaround in one place, each a no-op on CUDA (../shared/notes/bagel.md §1.6).
+every workaround in one place, each a no-op on CUDA. Nothing here knows our models: what a checkpoint declares
+(a tiny autoencoder's geometry) is handed in by the caller.
 
 1. `_C::silu_and_mul`: vllm's `SiluAndMul.__init__` binds this op on a CPU platform, and the CUDA vllm wheel has no
    CPU kernels. Defined here (torch.library) only when it is missing.
@@ -7,19 +8,14 @@ every workaround in one place, each a no-op on CUDA (../shared/notes/bagel.md §
    (timestep embeddings, latents, pixels) meet bf16 weights at the model's entry points. A forward pre-hook casts
    them there, which is what autocast does on CUDA.
 3. The tiny autoencoder: vllm-omni always builds the 84M-parameter FLUX autoencoder; a tiny checkpoint declares a
-   smaller geometry under `flowgrpo_tiny_ae` in config.json (app/models/bagel/flux_ae.py), and it is swapped in.
+   smaller geometry, which the caller passes (`adapt_pipeline(..., autoencoder=...)`), and it is swapped in.
 4. The engine's start-up warm-up asks for a 512x512 image (with an input image): minutes in bf16 on a CPU, and
    refused by a checkpoint that generates less. On the CPU it asks for the smallest size instead.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-
-from app.models.bagel.flux_ae import TINY_AE_KEY
 
 WARMUP_SIDE = 32  # pixels: one latent token pair at BAGEL's stride of 16
 _LIBRARY = None  # the torch.library fragment must outlive this call
@@ -53,12 +49,13 @@ def _cast_to_weight_dtype(module: torch.nn.Module, args: tuple, kwargs: dict):
     return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
 
-def adapt_pipeline(pipeline) -> None:
-    """Workarounds 2 and 3 on a constructed `BagelPipeline` running off CUDA (before its weights load)."""
+def adapt_pipeline(pipeline, *, autoencoder: dict | None = None) -> None:
+    """Workarounds 2 and 3 on a constructed `BagelPipeline` running off CUDA (before its weights load).
+    autoencoder: the `AutoEncoderParams` of a smaller autoencoder the checkpoint holds (None: FLUX's own)."""
     if pipeline.device.type == "cuda":
         return
-    tiny = json.loads(Path(pipeline.od_config.model, "config.json").read_text()).get(TINY_AE_KEY)
-    if tiny:
+    if autoencoder:
+        tiny = autoencoder
         from vllm_omni.diffusion.models.bagel.autoencoder import AutoEncoderParams, DistributedAutoEncoder
 
         dtype = next(pipeline.vae.parameters()).dtype

@@ -1,6 +1,6 @@
 """An out-of-tree OmniPlatform that runs vllm-omni diffusion on torch's CPU backend (selected by `plugin.py`).
 
-What vllm-omni 0.30.0 needs from a platform, in the order its absence fails (../shared/notes/vllm_omni_cpu.md):
+What vllm-omni 0.30.0 needs from a platform, in the order its absence fails:
 a device type and the gloo backend; no-op device calls; memory figures (from psutil: torch.cpu keeps no
 allocator statistics); and an attention backend whose `forward` works off CUDA (vllm-omni's SDPA impl dispatches
 only on cuda/rocm/npu/xpu/musa, although its CUDA path is plain `torch.nn.functional.scaled_dot_product_attention`).

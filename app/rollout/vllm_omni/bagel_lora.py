@@ -1,14 +1,15 @@
 """A peft LoRA of BAGEL's generation expert, served inside vllm-omni's BAGEL pipeline by forward hooks.
 
 vllm-omni's LoRA manager cannot bind BAGEL's generation-expert attention (its `q/k/v/o_proj_moe_gen` weights live
-inside the MoT layers as `qkv_proj.gen_exp` / `o_proj.gen_exp`, not as modules; ../shared/notes/bagel.md §1.7), so
+inside the MoT layers as `qkv_proj.gen_exp` / `o_proj.gen_exp`, not as modules), so
 the adapter is applied here instead: a hook on each MoT projection adds scale · (x Aᵀ) Bᵀ to the rows of the image
 tokens (the rows the generation expert computes), and nothing while no adapter is active, so switching back to the
 base model restores its outputs exactly.
 
-The adapter arrives as the trainer exported it (peft names of `BagelMoT`, app/models/bagel/model.py, whose module names
-are upstream BAGEL's): `language_model.model.layers.N.<target>.lora_{A,B}.weight` for the 7 targets of
-`GENERATION_TARGETS` (app/models/bagel/__init__.py). vllm-omni fuses some of them; each fused output is the concatenation of its parts:
+The adapter arrives as the trainer exported it (peft names of `BagelMoT`, app/models/bagel/model.py, whose module
+names are upstream BAGEL's): `language_model.model.layers.N.<target>.lora_{A,B}.weight` for the 7 targets of
+`GENERATION_TARGETS` (app/models/bagel/__init__.py). vllm-omni fuses some of them; each fused output is the
+concatenation of its parts:
 
     self_attn.qkv_proj (gen rows)     q_proj_moe_gen | k_proj_moe_gen | v_proj_moe_gen
     self_attn.o_proj (gen rows)       o_proj_moe_gen

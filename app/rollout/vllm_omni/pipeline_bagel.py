@@ -23,7 +23,9 @@ recompute`). The CPU workarounds live in app/platform/vllm_omni/bagel_cpu.py.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -32,6 +34,7 @@ from vllm_omni.diffusion.models.bagel.pipeline_bagel import BagelPipeline
 
 from app.algo.sampling import TrajectoryRecorder
 from app.algo.sde_window import noise_levels
+from app.models.bagel.flux_ae import TINY_AE_KEY
 from app.models.bagel.model import initial_latents, patchify, schedule
 from app.platform.vllm_omni import bagel_cpu
 from app.rollout.seeding import sample_generators
@@ -79,7 +82,8 @@ class FlowGRPOBagelPipeline(BagelPipeline):
 
     def __init__(self, *, od_config, prefix: str = ""):
         super().__init__(od_config=od_config, prefix=prefix)
-        bagel_cpu.adapt_pipeline(self)
+        config = json.loads(Path(od_config.model, "config.json").read_text())
+        bagel_cpu.adapt_pipeline(self, autoencoder=config.get(TINY_AE_KEY))  # a tiny checkpoint's own geometry
         self.vae.reg.sample = False  # the posterior mean: an edit's input is the same every time (module doc)
         self.lora = GenerationExpertLora(self.language_model.model.layers)
         self._staged_loras: dict[int, tuple[dict, dict]] = {}  # filled by FlowGRPOWorkerExtension.stage_lora
