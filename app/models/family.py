@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,14 +51,26 @@ class VllmOmniRecipe:
 
 @dataclass(frozen=True)
 class Preset:
-    """A checkpoint `jobs.make_tiny_models --preset NAME` builds: `build(out, seed=, layers=, overwrite=)`."""
+    """A checkpoint `jobs.make_tiny_models --preset NAME` builds: `builder` ("module:function") is called as
+    `function(out, seed=..., overwrite=...)`, plus `<layers_arg>=layers` (or `default_layers`) when it takes one."""
 
-    build: Callable[..., Path]
+    builder: str
     description: str
-    layers_help: str | None = None  # what --layers means for it (None: not taken)
+    layers_arg: str | None = None
+    default_layers: int | None = None
+    layers_help: str | None = None  # what --layers means for it
+
+    def build(self, out: str | Path, *, seed: int = 0, layers: int | None = None, overwrite: bool = False) -> Path:
+        module, _, name = self.builder.partition(":")
+        kwargs = {self.layers_arg: layers or self.default_layers} if self.layers_arg else {}
+        return getattr(importlib.import_module(module), name)(out, seed=seed, overwrite=overwrite, **kwargs)
 
 
-class ModelFamily(Protocol):
+@dataclass(frozen=True)
+class FamilyBase:
+    """What a family declares, and what follows from it alone. A family is a subclass of this that adds the
+    methods of `ModelFamily`, instantiated once as its folder's `FAMILY`."""
+
     name: str
     # the rollout engines that serve it: name -> engine class by import path (`rollout.engine` picks one)
     engines: dict[str, str]
@@ -74,10 +86,33 @@ class ModelFamily(Protocol):
     # edits (a request with an input image)
     supports_edits: bool
     vllm_omni: VllmOmniRecipe
+    # the checkpoints jobs.make_tiny_models builds, and which of them is the tiny one (tests, the CPU demo)
     presets: dict[str, Preset]
+    tiny_preset: str
+
+    def checkpoint_problem(self, path: str | Path) -> str | None:
+        """None when `path` looks like a checkpoint of the family, else what is missing."""
+        missing = [name for name in self.checkpoint_files if not (Path(path) / name).is_file()]
+        return f"is not {self.checkpoint_layout} (missing {', '.join(missing)})" if missing else None
 
     def build_tiny(self, path: str | Path, seed: int = 0) -> Path:
         """The deterministic tiny random checkpoint at `path` (kept when an identical build is there)."""
+        return self.presets[self.tiny_preset].build(path, seed=seed)
+
+    def engine_class(self, engine: str) -> type:
+        """The rollout engine class `engine` names for this family."""
+        if engine not in self.engines:
+            raise ValueError(f"rollout.engine={engine} cannot run model.family={self.name}: use one of "
+                             f"{list(self.engines)}")
+        module, _, name = self.engines[engine].rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+class ModelFamily(Protocol):
+    """The face: a `FamilyBase` (the declared facts above) with these methods."""
+
+    name: str
+    vllm_omni: VllmOmniRecipe
 
     def load_denoiser(self, path: str | Path, *, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         """The trained module (frozen weights, no adapter yet), from a checkpoint folder."""
@@ -107,35 +142,6 @@ class ModelFamily(Protocol):
 
     def vllm_omni_guidance(self, request: GenerationRequest) -> tuple[dict, dict]:
         """(sampling-parameter fields, extra_args entries) that carry the request's guidance to the pipeline."""
-
-
-@dataclass(frozen=True)
-class FamilyBase:
-    """What families share: the registry's view of a family and the checks that need only its declared facts."""
-
-    name: str
-    engines: dict[str, str]
-    exact_engines: tuple[str, ...]
-    lora_targets: tuple[str, ...]
-    adapter_format: str
-    checkpoint_files: tuple[str, ...]
-    checkpoint_layout: str
-    supports_edits: bool
-    vllm_omni: VllmOmniRecipe
-    presets: dict[str, Preset] = field(default_factory=dict)
-
-    def checkpoint_problem(self, path: str | Path) -> str | None:
-        """None when `path` looks like a checkpoint of the family, else what is missing."""
-        missing = [name for name in self.checkpoint_files if not (Path(path) / name).is_file()]
-        return f"is not {self.checkpoint_layout} (missing {', '.join(missing)})" if missing else None
-
-    def engine_class(self, engine: str) -> type:
-        """The rollout engine class `engine` names for this family."""
-        if engine not in self.engines:
-            raise ValueError(f"rollout.engine={engine} cannot run model.family={self.name}: use one of "
-                             f"{list(self.engines)}")
-        module, _, name = self.engines[engine].rpartition(".")
-        return getattr(importlib.import_module(module), name)
 
 
 def prompt_fields_checker(problem: Callable[[str], str | None]):

@@ -25,22 +25,7 @@ GENERATION_TARGETS = ["q_proj_moe_gen", "k_proj_moe_gen", "v_proj_moe_gen", "o_p
                       "mlp_moe_gen.up_proj", "mlp_moe_gen.down_proj"]
 
 
-def _build_tiny(out, *, seed=0, layers=None, overwrite=False) -> Path:
-    from app.models.bagel.tiny import build_tiny_bagel
-
-    return build_tiny_bagel(out, seed=seed, overwrite=overwrite)
-
-
-def _build_real_width(out, *, seed=0, layers=None, overwrite=False) -> Path:
-    from app.models.bagel.real_width import build_real_width_bagel
-
-    return build_real_width_bagel(out, seed=seed, layers=layers or 4, overwrite=overwrite)
-
-
 class Bagel(FamilyBase):
-    def build_tiny(self, path, seed: int = 0) -> Path:
-        return _build_tiny(path, seed=seed)
-
     def load_denoiser(self, path, *, dtype, device):
         from app.models.bagel.model import BagelMoT
 
@@ -116,8 +101,10 @@ FAMILY = Bagel(
                              deploy_config="bagel_single_stage.yaml",  # one stage: the DiT builds every context
                              dtype="bfloat16", extra_schedule_points=1, lora_delivery="pipeline_hooks",
                              weight_updates=False),
-    presets={"tiny-bagel": Preset(_build_tiny, "the BAGEL-7B-MoT layout (upstream file and tensor names) at a tiny "
-                                  "size, fp32, ~17 MB, CPU"),
-             "bagel-real-width": Preset(_build_real_width, "BAGEL-7B-MoT's LLM width (3584, both experts), random, "
-                                        "bf16, built on the GPU", "decoder layers (default 4, real: 28)")},
+    presets={"tiny-bagel": Preset("app.models.bagel.tiny:build_tiny_bagel", "the BAGEL-7B-MoT layout (upstream "
+                                  "file and tensor names) at a tiny size, fp32, ~17 MB, CPU"),
+             "bagel-real-width": Preset("app.models.bagel.real_width:build_real_width_bagel", "BAGEL-7B-MoT's LLM "
+                                        "width (3584, both experts), random, bf16, built on the GPU", "layers", 4,
+                                        "decoder layers (default 4, real: 28)")},
+    tiny_preset="tiny-bagel",
 )

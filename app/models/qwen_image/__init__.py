@@ -17,22 +17,7 @@ NAME = "qwen_image"
 TEXT_TOKEN_LIMIT = 1024  # the pipelines' tokenizer_max_length: prompt tokens after the template's own
 
 
-def _build_tiny(out, *, seed=0, layers=None, overwrite=False) -> Path:
-    from app.models.qwen_image.tiny import build_tiny_qwen_image
-
-    return build_tiny_qwen_image(out, seed=seed, overwrite=overwrite)
-
-
-def _build_real_size(out, *, seed=0, layers=None, overwrite=False) -> Path:
-    from app.models.qwen_image.real_size import build_full_random_qwen_image
-
-    return build_full_random_qwen_image(out, seed=seed, num_layers=layers or 60, overwrite=overwrite)
-
-
 class QwenImage(FamilyBase):
-    def build_tiny(self, path, seed: int = 0) -> Path:
-        return _build_tiny(path, seed=seed)
-
     def load_denoiser(self, path, *, dtype, device):
         from diffusers import QwenImageTransformer2DModel
 
@@ -101,7 +86,10 @@ FAMILY = QwenImage(
     checkpoint_layout="a diffusers Qwen-Image folder",
     supports_edits=False,
     vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_qwen_image.FlowGRPOQwenImagePipeline"),
-    presets={"tiny": Preset(_build_tiny, "tiny random Qwen-Image: fp32, ~3.5 MB, CPU"),
-             "qwen-image-full": Preset(_build_real_size, "Qwen-Image's real size (20.4B transformer), random, bf16, "
-                                       "built on the GPU (~42 GB)", "transformer blocks (default and real: 60)")},
+    presets={"tiny": Preset("app.models.qwen_image.tiny:build_tiny_qwen_image",
+                            "tiny random Qwen-Image: fp32, ~3.5 MB, CPU"),
+             "qwen-image-full": Preset("app.models.qwen_image.real_size:build_full_random_qwen_image",
+                                       "Qwen-Image's real size (20.4B transformer), random, bf16, built on the GPU "
+                                       "(~42 GB)", "num_layers", 60, "transformer blocks (default and real: 60)")},
+    tiny_preset="tiny",
 )
