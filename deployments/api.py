@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.config import RolloutConfig, SdeType, ServeConfig
 from app.image_size import side_problem
-from app.models.family import get_family
+from app.models.family import FAMILY_NAMES, get_family
 from app.types import MAX_SEED, GenerationRequest, Trajectory
 
 
@@ -185,8 +185,9 @@ class ApiIngress:
     @app.post("/v1/images/edits", openapi_extra=EDIT_FORM_SCHEMA)
     async def edit_images(self, form: Annotated[ImageEditForm, Form(media_type="multipart/form-data")]) -> dict:
         if not self.family.supports_edits:
+            editing = [name for name in FAMILY_NAMES if get_family(name).supports_edits]
             raise ApiError(400, f"this deployment serves {self.family.name}, which generates from text only: edits "
-                                "need a deployment of a family that edits (BAGEL)", "image")
+                                f"need a deployment of model.family={' or '.join(editing)}", "image")
         raw = await form.image.read(self.limits.max_image_bytes + 1)
         image = torch.from_numpy(_decode_image(raw, "image", self.limits.max_image_bytes))
         extra = {"image": image}

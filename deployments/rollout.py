@@ -10,7 +10,7 @@ import socket
 from app.config import ModelConfig, RolloutConfig
 from app.faults import crash_point
 from app.models.family import get_family
-from app.types import GenerationRequest, LoraAdapter, PackedLora, Trajectory
+from app.types import GenerationRequest, LoraAdapter, PackedLora, RequestError, Trajectory
 
 
 def make_engine(model: ModelConfig, rollout: RolloutConfig):
@@ -41,6 +41,8 @@ class RolloutReplica:
 
             torch.set_num_threads(torch_threads)
         self.engine = make_engine(model, rollout)
+        # the family's text limit, checked before any engine work (its tokenizer, loaded once)
+        self.prompt_problem = get_family(model.family).prompt_checker(model.path)
         self.adapters = adapters
         self._adapter_lock = asyncio.Lock()  # a reset and the load that follows it happen together
         self.replica_id = _replica_id()
@@ -50,6 +52,10 @@ class RolloutReplica:
         await self.sync_adapter()  # a replica started in place of a dead one serves the published adapter at once
 
     async def generate(self, request: GenerationRequest) -> Trajectory:
+        if (problem := self.prompt_problem(request)) is not None:
+            name, why = problem
+            text = getattr(request, name)
+            raise RequestError(name, f"{text[:32]}... ({len(text)} characters)" if len(text) > 40 else text, why)
         wanted = request.lora_version
         if wanted is not None and wanted != self.engine.lora_version:
             await self.sync_adapter()

@@ -295,3 +295,22 @@ def test_an_edit_request_to_a_text_only_model_says_what_serves_edits(served):
                              files={"image": ("a.png", base64.b64decode(png_b64(rendered("A"))), "image/png")},
                              timeout=60)
     assert response.status_code == 400 and "model.family=bagel" in response.json()["error"]["message"]
+
+
+LONG = "the quick brown fox jumps over the lazy dog " * 228  # 10,032 characters: thousands of tokens
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"prompt": LONG}, "prompt"),
+    ({"prompt": "a sign", "guidance": 4.0, "negative_prompt": LONG}, "negative_prompt"),
+], ids=["prompt", "negative-prompt"])
+def test_a_prompt_over_the_family_s_text_limit_is_a_400_naming_it(served, body, field):
+    """Qwen-Image reads at most 1,024 prompt tokens (vllm-omni itself raises on more): the replica refuses the
+    request before any engine work, and the API answers in its JSON error format, never a plain-text 500."""
+    response = requests.post(f"{served['url']}/v1/images/generations", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert error["param"] == field and "the limit is 1024" in error["message"], error
+    ok = requests.post(f"{served['url']}/v1/images/generations", json={"prompt": "still here"}, timeout=120)
+    assert ok.status_code == 200  # the replicas go on serving

@@ -85,3 +85,16 @@ def test_bad_edit_requests_get_a_4xx_that_says_why(served, image, fields, status
     assert response.status_code == status, response.text
     assert fragment in response.json()["error"]["message"]
     assert requests.get(f"{served}/v1/health", timeout=60).json()["status"] == "ok"
+
+
+def test_over_long_prompts_are_a_400_naming_the_prompt_at_every_endpoint(served):
+    """BAGEL's prompt must fit its LLM's context (the tiny model's 2,048 positions, less the image blocks'): the
+    text-to-image and the edit endpoint both refuse a longer one with a JSON 400 naming `prompt`."""
+    long = "re-letter the sign to say OPEN " * 330  # 10,230 characters
+    generated = requests.post(f"{served}/v1/images/generations", json={"prompt": long}, timeout=120)
+    edited = edit(served, png(rendered_sign("OPEN", 64)), prompt=long)
+    for response in (generated, edited):
+        assert response.status_code == 400, response.text
+        assert response.headers["content-type"].startswith("application/json")
+        error = response.json()["error"]
+        assert error["param"] == "prompt" and "the limit is 2045" in error["message"], error
