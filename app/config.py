@@ -3,7 +3,8 @@
 `load("configs/tiny_cpu.yaml", ["train.learning_rate=3e-4"])` merges the YAML and the `key=value` overrides
 onto the dataclasses below through `OmegaConf.structured`, so an unknown key or a value of the wrong type is
 an error that names the key. `???` marks a value every run must set. Derived sizes are checked once, in
-`RunConfig.__post_init__`, with messages that say what to change.
+`RunConfig.__post_init__`, with messages that say what to change; the rules every request obeys (sizes, steps,
+guidance) are `GenerationRequest`'s alone, applied to the request the rollout section produces.
 """
 
 from __future__ import annotations
