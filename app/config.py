@@ -3,7 +3,8 @@
 `load("configs/tiny_cpu.yaml", ["train.learning_rate=3e-4"])` merges the YAML and the `key=value` overrides
 onto the dataclasses below through `OmegaConf.structured`, so an unknown key or a value of the wrong type is
 an error that names the key. `???` marks a value every run must set. Derived sizes are checked once, in
-`RunConfig.__post_init__`, with messages that say what to change.
+`RunConfig.__post_init__`, with messages that say what to change; the rules every request obeys (sizes, steps,
+guidance) are `GenerationRequest`'s alone, applied to the request the rollout section produces.
 """
 
 from __future__ import annotations
@@ -12,23 +13,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from app.image_size import side_problem
+from app.algo.sde import SDE_TYPES
+from app.algo.sde_window import PLACEMENTS
 from app.models.family import FAMILY_NAMES, all_engines, get_family
 from app.rewards.composite import REWARD_NAMES
 from app.rewards.ocr import DETECT_MIN_SIDE
+from app.types import CFG_RENORMS, GenerationRequest, RequestError
 
-if TYPE_CHECKING:
-    from app.types import GenerationRequest
+
+def _choices(name: str, values: tuple[str, ...]) -> type[StrEnum]:
+    """A StrEnum of `values`, each member named as its value: OmegaConf matches a setting to a member by name."""
+    return StrEnum(name, {v: v for v in values}, module=__name__)
 
 
 # Enumerated choices: OmegaConf refuses any other value and names the key; members compare equal to their strings.
 # model families (app/models/family.py's registry) and the rollout engines they run on: declared by the families
-ModelFamily = StrEnum("ModelFamily", {name: name for name in FAMILY_NAMES})
+ModelFamily = _choices("ModelFamily", FAMILY_NAMES)
 ModelFamily.__doc__ = "A folder of app/models/ (qwen_image: a diffusers Qwen-Image checkpoint; bagel: BAGEL-7B-MoT)."
 
 
@@ -39,35 +44,22 @@ class DType(StrEnum):
 
 
 # what a rollout replica runs: vllm-omni, or the family's in-process engine (where vllm is not installed)
-Engine = StrEnum("Engine", {name: name for name in all_engines()})
+Engine = _choices("Engine", all_engines())
 
 
-class SdeType(StrEnum):
-    """The samplers of app/algo/sde.py (its SDE_TYPES)."""
-
-    sde = "sde"
-    cps = "cps"
-
-
-class WindowPlacement(StrEnum):
-    """Where a group's SDE window goes (app/algo/sde_window.py, its PLACEMENTS)."""
-
-    random = "random"  # per group (Flow-GRPO-Fast)
-    fixed = "fixed"  # at `start` for every group
-    sliding = "sliding"  # from `start`, `stride` steps later every `every` training steps (MixGRPO)
+# The sampling choices are declared once, where they are implemented; the schema's enums are built from them.
+# the samplers of app/algo/sde.py
+SdeType = _choices("SdeType", SDE_TYPES)
+# where a group's SDE window goes (app/algo/sde_window.py): random per group (Flow-GRPO-Fast), fixed at `start`
+# for every group, or sliding from `start`, `stride` steps later every `every` training steps (MixGRPO)
+WindowPlacement = _choices("WindowPlacement", PLACEMENTS)
+# BAGEL's renormalisation of the guided velocity (app/models/bagel.py combine_cfg; GenerationRequest.cfg_renorm)
+CfgRenorm = _choices("CfgRenorm", CFG_RENORMS)
 
 
 class AdvStdMode(StrEnum):
     group = "group"  # GRPO: each prompt group's own std
     batch = "batch"  # FlowGRPO global_std: the std of the whole step's rewards
-
-
-class CfgRenorm(StrEnum):
-    """BAGEL's renormalisation of the guided velocity (app/models/bagel/model.py combine_cfg)."""
-
-    global_ = "global"
-    channel = "channel"
-    text_channel = "text_channel"
 
 
 class OldLogprob(StrEnum):
@@ -149,7 +141,7 @@ class RolloutConfig:
     # renormalisation of the guided velocity and its lower clamp, the schedule's shift
     image_guidance_scale: float = 1.0
     cfg_interval: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    cfg_renorm: CfgRenorm = CfgRenorm.global_
+    cfg_renorm: CfgRenorm = CfgRenorm("global")
     cfg_renorm_min: float = 0.0
     timestep_shift: float = 3.0
     # η: SDE noise level of the sampler; 0 is the deterministic ODE (nothing to train on)
@@ -175,8 +167,6 @@ class RolloutConfig:
     def request(self, prompt: str, **fields: Any) -> GenerationRequest:
         """A request for one prompt group sampled as this section says; `fields` set anything else (seed,
         group_id, lora_version) or differ from it (n, size, steps, ...)."""
-        from app.types import GenerationRequest  # torch: not needed to read a config
-
         guidance = fields.pop("guidance_scale", self.guidance_scale)
         negative = fields.pop("negative_prompt", self.negative_prompt)
         return GenerationRequest(
@@ -345,20 +335,6 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     engines = get_family(model.family).engines
     _require(rollout.engine in engines,
              f"rollout.engine={rollout.engine} cannot run model.family={model.family}: use one of {list(engines)}")
-    lo_hi = rollout.cfg_interval
-    _require(len(lo_hi) == 2 and 0 <= lo_hi[0] < lo_hi[1] <= 1,
-             f"rollout.cfg_interval={list(lo_hi)} must be [lo, hi] with 0 <= lo < hi <= 1")
-    _require(rollout.image_guidance_scale >= 1,
-             f"rollout.image_guidance_scale={rollout.image_guidance_scale} must be >= 1 (1 disables image CFG)")
-    _require(0 <= rollout.cfg_renorm_min <= 1, f"rollout.cfg_renorm_min={rollout.cfg_renorm_min} must be in [0, 1]")
-    _require(rollout.timestep_shift > 0, f"rollout.timestep_shift={rollout.timestep_shift} must be > 0")
-    for name in ("height", "width"):
-        value = getattr(rollout, name)
-        problem = side_problem(value)
-        _require(problem is None, f"rollout.{name}={value} {problem}")
-    _require(rollout.num_inference_steps >= 2,
-             f"rollout.num_inference_steps={rollout.num_inference_steps} must be >= 2 (one step divides by zero)")
-    _require(rollout.noise_level >= 0, f"rollout.noise_level={rollout.noise_level} must be >= 0")
     window = rollout.sde_window
     _require(0 <= window.size <= rollout.num_inference_steps,
              f"rollout.sde_window.size={window.size} must be in [0, rollout.num_inference_steps="
@@ -374,8 +350,7 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     _require(window.placement != WindowPlacement.fixed or window.start + window.size <= rollout.num_inference_steps,
              f"rollout.sde_window: a fixed window of {window.size} steps from start={window.start} does not fit in "
              f"{rollout.num_inference_steps} steps")
-    _require(rollout.guidance_scale >= 1.0,
-             f"rollout.guidance_scale={rollout.guidance_scale} must be >= 1 (1 disables CFG)")
+    _check_as_request(rollout)
     for name in ("num_replicas", "max_ongoing_requests", "max_num_seqs"):
         _require(getattr(rollout, name) >= 1, f"rollout.{name}={getattr(rollout, name)} must be >= 1")
     _require(rollout.replica_num_cpus > 0 and rollout.replica_num_gpus >= 0,
@@ -400,6 +375,22 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     _require(rollout.num_inference_steps <= serve.max_steps,
              f"serve.max_steps={serve.max_steps} is below rollout.num_inference_steps="
              f"{rollout.num_inference_steps}, the steps of a request that names none: raise serve.max_steps")
+
+
+# the request fields a rollout section sets under another name
+_SECTION_KEYS = {"n": "group_size"}
+
+
+def _check_as_request(rollout: RolloutConfig) -> None:
+    """The per-request rules (sizes, steps, noise, guidance, BAGEL's CFG settings, the window) live in
+    GenerationRequest alone: the section is checked by building the request it produces for a group, with the
+    window it places for the run's first group, and an error names the section's key."""
+    window = rollout.sde_window.window(rollout.num_inference_steps, seed=0, group=0, step=0)
+    try:
+        rollout.request("a placeholder prompt", sde_window=window)
+    except RequestError as err:
+        key = _SECTION_KEYS.get(err.field, err.field)
+        raise ConfigError(f"rollout.{key}={err.value!r}: {err.why}") from None
 
 
 def _check_run(config: RunConfig) -> None:

@@ -25,11 +25,27 @@ from app.image_size import side_problem
 MAX_GROUP_SIZE = 256
 MAX_SEED = 2**63 - 1
 MAX_EDIT_PIXELS = 4096 * 4096
+# BAGEL's renormalisations of the guided velocity (app/models/bagel.py combine_cfg); app.config.CfgRenorm is
+# built from it
 CFG_RENORMS = ("global", "channel", "text_channel")
 
 
+class RequestError(ValueError):
+    """A `GenerationRequest` field that cannot be sampled: `field` names it (the request's own field name), `value`
+    is what it held, and the message says what to change. Raised wherever a request is checked (its constructor,
+    a rollout replica), so the HTTP API and the config can name the field without reading the message."""
+
+    def __init__(self, field: str, value, why: str):
+        super().__init__(f"{field}={value!r}: {why}")
+        self.field, self.value, self.why = field, value, why
+
+    def __reduce__(self):
+        # rebuilt from its parts when Ray carries it from a replica (the default would call __init__(message))
+        return type(self), (self.field, self.value, self.why)
+
+
 def _fail(name: str, value, why: str) -> None:
-    raise ValueError(f"{name}={value!r}: {why}")
+    raise RequestError(name, value, why)
 
 
 @dataclass(frozen=True)

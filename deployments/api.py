@@ -9,8 +9,9 @@
     GET  /v1/lora                 adapter version of every rollout replica, and the published one
 
 Every request is validated here, before a replica sees it: a bad one gets a 4xx JSON error that says what to
-change (`{"error": {"message", "type", "param"}}`), and the replicas keep serving. The class is wrapped with
-`serve.ingress` in builders.py.
+change (`{"error": {"message", "type", "param"}}`), and the replicas keep serving. A `RequestError` a rollout
+replica raises (a check only the engine can make) is a 400 naming its field too, and any other failure is a JSON
+500 (`"type": "server_error"`), never a plain-text one. The class is wrapped with `serve.ingress` in builders.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import logging
 import time
 from typing import Annotated, Literal
 
@@ -27,11 +29,14 @@ from fastapi import FastAPI, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from ray.exceptions import RayTaskError
 
 from app.config import RolloutConfig, SdeType, ServeConfig
 from app.image_size import side_problem
 from app.models.family import FAMILY_NAMES, get_family
-from app.types import MAX_SEED, GenerationRequest, Trajectory
+from app.types import MAX_SEED, GenerationRequest, RequestError, Trajectory
+
+logger = logging.getLogger(__name__)
 
 
 class ImageGenerationBody(BaseModel):
@@ -100,6 +105,38 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
 @app.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     return _error(exc.status, exc.message, exc.param)
+
+
+# GenerationRequest fields that the API's body names otherwise
+API_PARAMS = {"height": "size", "width": "size", "guidance_scale": "guidance", "image_guidance_scale": "image_guidance"}
+
+
+def _unwrapped(exc: BaseException) -> BaseException:
+    """The exception as the replica raised it: Ray re-raises a replica's exception as a RayTaskError that is also
+    an instance of its class (so the handlers below match it), but whose message is the remote traceback."""
+    while isinstance(exc, RayTaskError):
+        exc = exc.cause
+    return exc
+
+
+@app.exception_handler(RequestError)
+async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+    """A request GenerationRequest's rules refuse: built here, or checked again by the rollout replica."""
+    exc = _unwrapped(exc)
+    return _error(400, str(exc), API_PARAMS.get(exc.field, exc.field))
+
+
+@app.middleware("http")
+async def _server_error(request: Request, call_next):
+    """Whatever no handler above answers (a replica's crash, a bug) is a JSON 500 in the API's error format.
+    A middleware, not an exception handler for Exception: Starlette runs that one in ServerErrorMiddleware, which
+    raises the exception again after answering, into Serve's replica."""
+    try:
+        return await call_next(request)
+    except Exception as exc:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        cause = _unwrapped(exc)
+        return _error(500, f"the server failed: {type(cause).__name__}: {cause}", kind="server_error")
 
 
 def _png_b64(image: np.ndarray) -> str:
@@ -172,11 +209,9 @@ class ApiIngress:
                            "num_inference_steps")
         given = {"guidance_scale": body.guidance, "negative_prompt": body.negative_prompt,
                  "noise_level": body.noise_level, "sde_type": body.sde_type}
-        try:
-            return d.request(body.prompt, n=body.n, height=height, width=width, num_inference_steps=steps,
-                             seed=body.seed, **{k: v for k, v in given.items() if v is not None}, **extra)
-        except ValueError as err:
-            raise ApiError(400, str(err), str(err).split("=")[0]) from None
+        # a RequestError here is a 400 naming the field (the handler above)
+        return d.request(body.prompt, n=body.n, height=height, width=width, num_inference_steps=steps,
+                         seed=body.seed, **{k: v for k, v in given.items() if v is not None}, **extra)
 
     @app.post("/v1/images/generations")
     async def generate_images(self, body: ImageGenerationBody) -> dict:

@@ -115,13 +115,58 @@ def test_fault_tolerance_and_console_settings_have_safe_defaults():
         load(CONFIGS / "tiny_cpu.yaml", ["rollout.request_retries=-1"])
 
 
-def test_enumerated_choices_are_the_library_s_own():
-    from app.algo.sde import SDE_TYPES
-    from app.config import SdeType
+def test_enumerated_choices_are_the_library_s_own(monkeypatch):
+    import importlib.util
+    import sys
 
-    assert tuple(SdeType) == SDE_TYPES
+    import app.algo.sde
+    import app.config
+    from app.algo.sde import SDE_TYPES
+    from app.algo.sde_window import PLACEMENTS
+    from app.config import CfgRenorm, SdeType, WindowPlacement
+    from app.types import CFG_RENORMS
+
+    for enum, choices in [(SdeType, SDE_TYPES), (WindowPlacement, PLACEMENTS), (CfgRenorm, CFG_RENORMS)]:
+        assert tuple(enum) == choices and [m.name for m in enum] == list(choices)
     cfg = load(CONFIGS / "tiny_cpu.yaml", ["rollout.sde_type=cps", "rollout.engine=diffusers"])
     assert cfg.rollout.sde_type == "cps" and f"{cfg.rollout.engine}" == "diffusers"
+    # OmegaConf matches a setting to a member by name: "global" (once refused: the member was named global_)
+    assert load(CONFIGS / "tiny_bagel_cpu.yaml", ["rollout.cfg_renorm=global"]).rollout.cfg_renorm == "global"
+    # the enum is built from the tuple: a sampler added to app/algo/sde.py is a choice of the schema, unwritten
+    monkeypatch.setattr(app.algo.sde, "SDE_TYPES", (*SDE_TYPES, "ddim"))
+    spec = importlib.util.spec_from_file_location("config_with_ddim", app.config.__file__)
+    again = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, again)  # dataclasses look their module up while they are built
+    spec.loader.exec_module(again)
+    assert tuple(again.SdeType) == (*SDE_TYPES, "ddim")
+
+
+# the rules a rollout section shares with every request (GenerationRequest's, their one home): a bad value of each
+SHARED_RULES = [("height", 100), ("width", 8), ("num_inference_steps", 1), ("noise_level", -0.5),
+                ("guidance_scale", 0.5), ("image_guidance_scale", 0.5), ("cfg_interval", [0.5, 0.2]),
+                ("cfg_renorm_min", 2.0), ("timestep_shift", 0.0)]
+
+
+@pytest.mark.parametrize("field,value", SHARED_RULES)
+def test_a_rollout_setting_and_a_request_field_obey_one_rule(field, value):
+    from app.types import GenerationRequest, RequestError
+
+    sampling = dict(height=64, width=64, num_inference_steps=4, noise_level=0.7, sde_type="sde")
+    with pytest.raises(RequestError) as refused:
+        GenerationRequest("a sign", **sampling | {field: value})
+    assert refused.value.field == field
+    with pytest.raises(ConfigError) as config_error:
+        load(CONFIGS / "tiny_bagel_cpu.yaml", [f"rollout.{field}={value}"])
+    message = str(config_error.value)
+    assert message.startswith(f"rollout.{field}=") and message.endswith(f": {refused.value.why}"), message
+
+
+def test_a_section_s_group_is_a_request_s_n():
+    """The section's group_size is the request's n: its bound names the section's key (a Serve app has no
+    group_size >= 2 rule of its own: the request's n <= 256 is the one it needs)."""
+    args = serve_config_args()
+    with pytest.raises(ConfigError, match=r"^rollout.group_size=1000: must be an integer in \[1, 256\]"):
+        load_app({**args, "rollout": {**args["rollout"], "group_size": 1000}})
 
 
 # -- the Serve application's config: serve_config.yaml's `args:` are a run config's sections plus `serve`

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from app.rollout.seeding import sample_generators, sample_seed
-from app.types import GenerationRequest, LoraAdapter, Trajectory
+from app.types import GenerationRequest, LoraAdapter, RequestError, Trajectory
 
 SAMPLING = dict(n=2, height=64, width=64, num_inference_steps=4, noise_level=0.7, sde_type="sde")
 
@@ -20,8 +20,20 @@ SAMPLING = dict(n=2, height=64, width=64, num_inference_steps=4, noise_level=0.7
 ])
 def test_invalid_request_names_the_field(field, value):
     kwargs = dict(prompt="a red cube", **SAMPLING) | {field: value}
-    with pytest.raises(ValueError, match=f"^{field}="):
+    with pytest.raises(RequestError, match=f"^{field}=") as error:
         GenerationRequest(**kwargs)
+    assert error.value.field == field and isinstance(error.value, ValueError)  # callers that catch ValueError
+
+
+def test_a_request_error_crosses_processes_whole():
+    """Ray pickles a replica's exception to re-raise it at the caller: the field and value come back, not only
+    the message."""
+    import pickle
+
+    with pytest.raises(RequestError) as error:
+        GenerationRequest("a cat", **SAMPLING | {"height": 100})
+    again = pickle.loads(pickle.dumps(error.value))
+    assert (type(again), again.field, again.value, str(again)) == (RequestError, "height", 100, str(error.value))
 
 
 def test_cfg_needs_a_negative_prompt():
@@ -94,8 +106,9 @@ def test_a_packed_adapter_unpacks_to_the_same_tensors():
     ("timestep_shift", 0.0, "> 0"),
 ])
 def test_invalid_bagel_settings_name_the_field(field, value, why):
-    with pytest.raises(ValueError, match=f"^{field}=.*{why}"):
+    with pytest.raises(RequestError, match=f"^{field}=.*{why}") as error:
         GenerationRequest("a cat", **SAMPLING, **{field: value})
+    assert error.value.field == field
 
 
 @pytest.mark.parametrize("window", [(2, 2), (-1, 1), (0, 99), (0.5, 2), [1, 2, 3]])

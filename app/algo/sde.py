@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-SDE_TYPES = ("sde", "cps")
+SDE_TYPES = ("sde", "cps")  # declared here only: app.config.SdeType is built from it
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 

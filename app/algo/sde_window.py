@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PLACEMENTS = ("random", "fixed", "sliding")
+PLACEMENTS = ("random", "fixed", "sliding")  # declared here only: app.config.WindowPlacement is built from it
 
 
 def place_window(num_steps: int, size: int, placement: str, *, seed: int, group: int, step: int, start: int = 0,
