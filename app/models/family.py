@@ -123,8 +123,8 @@ class ModelFamily(Protocol):
     def shard_units(self, denoiser: torch.nn.Module) -> tuple[list[torch.nn.Module], bool]:
         """(FSDP2 units, whether the root is sharded too)."""
 
-    def score(self, denoiser: torch.nn.Module, traj: Trajectory, steps: Sequence[int], samples: Sequence[int], *,
-              flow_grpo_compat: bool, uniform: bool) -> list[SDEStepOutput]:
+    def score_trajectory(self, denoiser: torch.nn.Module, traj: Trajectory, steps: Sequence[int],
+                         samples: Sequence[int], *, flow_grpo_compat: bool, uniform: bool) -> list[SDEStepOutput]:
         """Re-score a trajectory's stored steps under `denoiser` as it stands (`app.algo.sampling.score_steps`).
         uniform: every rank makes the same forwards whatever the group (FSDP2)."""
 

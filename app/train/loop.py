@@ -5,7 +5,7 @@
                  exists. On-policy (`train.max_staleness: 0`): every group comes from the adapter of the previous
                  step. Pipelined (k >= 1): the groups were generated while earlier steps trained, with the adapter
                  the replicas had; one more than k versions old is regenerated. Then the groups of step + k are
-                 requested, to generate while this step trains
+                 requested, to generate while this step trains (the schedule: app/train/schedule.py)
  3. advantages   per prompt group, over the whole step's batch (every worker sees every reward)
  4. old log-probs  the rollout's own (`train.old_logprob: rollout`) or recomputed; their mismatch is logged
  5. update       per pass (app/train/update.py): a fraction of the timesteps in micro-batches, clipped

@@ -106,8 +106,8 @@ class Policy:
         (differentiable w.r.t. the LoRA unless called under `torch.no_grad()`)."""
         if traj.family != self.family.name:
             raise ValueError(f"a {traj.family} trajectory cannot be scored by a {self.family.name} policy")
-        return self.family.score(self.transformer, traj, steps, samples, flow_grpo_compat=flow_grpo_compat,
-                                 uniform=self.sharded)
+        return self.family.score_trajectory(self.transformer, traj, steps, samples,
+                                            flow_grpo_compat=flow_grpo_compat, uniform=self.sharded)
 
     @contextmanager
     def reference(self) -> Iterator[None]:

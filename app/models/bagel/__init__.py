@@ -44,7 +44,7 @@ class Bagel(FamilyBase):
         # it stays whole on every rank, and the LoRA (all inside the layers) is sharded with them
         return list(denoiser.language_model.model.layers), False
 
-    def score(self, denoiser, traj, steps, samples, *, flow_grpo_compat=False, uniform=False):
+    def score_trajectory(self, denoiser, traj, steps, samples, *, flow_grpo_compat=False, uniform=False):
         from app.models.bagel.context import score_trajectory
 
         return score_trajectory(denoiser, traj, steps, samples, flow_grpo_compat=flow_grpo_compat, uniform=uniform)

@@ -33,7 +33,7 @@ class QwenImage(FamilyBase):
     def shard_units(self, denoiser):
         return list(denoiser.transformer_blocks), True
 
-    def score(self, denoiser, traj, steps, samples, *, flow_grpo_compat=False, uniform=False):
+    def score_trajectory(self, denoiser, traj, steps, samples, *, flow_grpo_compat=False, uniform=False):
         from app.models.qwen_image.model import score_trajectory
 
         return score_trajectory(denoiser, traj, steps, samples=samples, flow_grpo_compat=flow_grpo_compat)
