@@ -52,7 +52,8 @@ class VllmOmniEngine:
                  batched_groups: bool = True, max_num_seqs: int = 1, engine_kwargs: dict | None = None):
         self.model_path = str(Path(model_path).resolve())
         self.family = family
-        self.recipe = get_family(family).vllm_omni
+        self.face = get_family(family)  # looked up once: every request asks it for its guidance fields
+        self.recipe = self.face.vllm_omni
         self.dtype = self.recipe.dtype or dtype  # a dtype vllm-omni hard-codes for the family wins
         self.batched_groups = batched_groups
         self.max_num_seqs = max_num_seqs
@@ -96,7 +97,7 @@ class VllmOmniEngine:
 
         flowgrpo = FlowGRPOArgs(seed=seed, sample_offset=offset, noise_level=request.noise_level,
                                 sde_type=request.sde_type, sde_window=request.sde_window, lora_version=version)
-        guidance, extra = get_family(self.family).vllm_omni_guidance(request)
+        guidance, extra = self.face.vllm_omni_guidance(request)
         lora = {}
         if self.recipe.lora_delivery == "vllm_manager" and version > 0:
             # the id is the version: staged in memory by the worker extension, never read from disk
