@@ -265,6 +265,51 @@ class DataConfig:
     shuffle: bool = True
 
 
+def _default_bands() -> dict[str, list[float]]:
+    from app.eval.sentinels import DEFAULT_BANDS
+
+    return {k: list(v) for k, v in DEFAULT_BANDS.items()}
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (app/eval/): during training every `every` steps, and by `python -m jobs.evaluate`.
+    Deterministic by default (noise_level 0, one fixed seed per prompt): every evaluation of a run sees the same
+    noise, so two evaluations differ only by the adapter. The sampling settings left null are the rollout's."""
+
+    # evaluate the adapter every this many optimizer steps (0: never during training; jobs.evaluate still works)
+    every: int = 0
+    # evaluate the base model before the first step too (with sentinels on, its images are made anyway: they are
+    # what the sentinels compare with)
+    before_train: bool = False
+    # eval set: a built-in one (ocr_eval: 512 held-out OCR prompts; ocr_eval_tiny; ocr_edit_eval, ocr_edit_eval_tiny:
+    # edits, BAGEL) or a file in data.prompts' formats
+    prompts: str = "ocr_eval"
+    # use the first this many prompts of the set (null: all)
+    max_prompts: int | None = None
+    images_per_prompt: int = 1
+    # the eval seeds: prompt k's images always start from the noise of (seed, k), whatever the run's train.seed
+    seed: int = 0
+    # η of the sampler: 0 is the deterministic ODE
+    noise_level: float = 0.0
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    # may differ from the rollout's: train at a small size, evaluate at the size that matters
+    height: int | None = None
+    width: int | None = None
+    # prompts shown in the eval grid (the first ones of the set, the same every evaluation)
+    grid_prompts: int = 8
+    # sentinels: image statistics against the base model's images of the same prompts and seeds (made once per
+    # run), and the band of each change outside which a warning is printed (app/eval/sentinels.py)
+    sentinels: bool = True
+    sentinel_bands: dict[str, list[float]] = field(default_factory=_default_bands)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a training run evaluates at all."""
+        return self.every > 0 or self.before_train
+
+
 @dataclass
 class LoggingConfig:
     # run folder: tensorboard events, checkpoints, image grids, reward curve
@@ -314,10 +359,12 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     # the rollout/reward application the run deploys (its HTTP API stays up while training)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         _check_app(self)
         _check_run(self)
+        _check_eval(self)
 
     def app(self) -> AppConfig:
         return AppConfig(model=self.model, rollout=self.rollout, reward=self.reward, serve=self.serve)
@@ -430,6 +477,44 @@ def _check_run(config: RunConfig) -> None:
              "which matches exactly)")
 
 
+def eval_request(config: RunConfig, prompt, seed: int, lora_version: int | None) -> GenerationRequest:
+    """The request of one eval prompt: the eval section's sampling, the rollout section's where it is null, no SDE
+    window, one image per `eval.images_per_prompt`, an edit prompt's image."""
+    import torch
+
+    ev = config.eval
+    unset = {"num_inference_steps": ev.num_inference_steps, "guidance_scale": ev.guidance_scale,
+             "height": ev.height, "width": ev.width}
+    image = getattr(prompt, "image", None)
+    return config.rollout.request(str(prompt), n=ev.images_per_prompt, noise_level=ev.noise_level, seed=seed,
+                                  lora_version=lora_version, **{k: v for k, v in unset.items() if v is not None},
+                                  **({"image": torch.from_numpy(image)} if image is not None else {}))
+
+
+def _check_eval(config: RunConfig) -> None:
+    ev = config.eval
+    _require(ev.every >= 0, f"eval.every={ev.every} must be >= 0 (0: no evaluation during training)")
+    _require(ev.images_per_prompt >= 1, f"eval.images_per_prompt={ev.images_per_prompt} must be >= 1")
+    _require(ev.max_prompts is None or ev.max_prompts >= 1, f"eval.max_prompts={ev.max_prompts} must be >= 1 or null")
+    _require(ev.grid_prompts >= 0, f"eval.grid_prompts={ev.grid_prompts} must be >= 0")
+    from app.eval.sentinels import DEFAULT_BANDS
+
+    for name, band in ev.sentinel_bands.items():
+        _require(name in DEFAULT_BANDS, f"eval.sentinel_bands.{name}: no such sentinel; the banded ones are "
+                                        f"{list(DEFAULT_BANDS)}")
+        _require(len(band) == 2 and band[0] <= band[1], f"eval.sentinel_bands.{name}={band} must be [lo, hi], lo <= hi")
+    serve = config.serve
+    size = (ev.height or config.rollout.height, ev.width or config.rollout.width)
+    _require(max(size) <= serve.max_side and (ev.num_inference_steps or 0) <= serve.max_steps,
+             f"eval: {size[1]}x{size[0]} and {ev.num_inference_steps} steps must be within serve.max_side="
+             f"{serve.max_side} and serve.max_steps={serve.max_steps}: raise those")
+    try:
+        eval_request(config, "a placeholder prompt", seed=0, lora_version=None)
+    except RequestError as err:
+        key = {"n": "images_per_prompt"}.get(err.field, err.field)
+        raise ConfigError(f"eval.{key}={err.value!r}: {err.why}") from None
+
+
 def _format_omegaconf_error(err: OmegaConfBaseException, source: str) -> str:
     key = getattr(err, "full_key", None) or "?"
     msg = str(err).splitlines()[0]
@@ -439,7 +524,7 @@ def _format_omegaconf_error(err: OmegaConfBaseException, source: str) -> str:
 # settings whose value is a mapping: a YAML file or an override that sets one replaces it whole (OmegaConf merges
 # mappings key by key, so `{jpeg_compressibility: 1.0}` over the default `{ocr: 1.0}` would train on both);
 # `reward.weights.ocr=0.5` still edits a single entry
-REPLACED_MAPPINGS = ("reward.weights",)
+REPLACED_MAPPINGS = ("reward.weights",)  # (eval.sentinel_bands merges: a band given replaces that band only)
 
 
 def _replaced(layer) -> list[str]:
@@ -454,7 +539,10 @@ def _layers(path, overrides) -> list[tuple[str, Any, list[str]]]:
     layers = []
     try:
         if path is not None:
-            yaml = OmegaConf.load(path)
+            if not Path(path).expanduser().is_file():
+                raise ConfigError(f"--config {path}: no such file (configs/ holds the project's configs, e.g. "
+                                  "configs/tiny_cpu.yaml)")
+            yaml = OmegaConf.load(Path(path).expanduser())
             layers.append((str(path), yaml, _replaced(yaml)))
         for item in overrides:
             key = item.split("=", 1)[0].strip()

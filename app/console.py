@@ -25,6 +25,8 @@ KNOWN_HARMLESS = [
     (r"Generated new authentication token", "the same, on first use"),
     (r"PYTHON worker processes have been started on node", "many small actors starting at once on few cores"),
     (r"Failed to import from vllm\._C_AVX2", "vllm's optional AVX2 kernels; the CPU path does without them"),
+    (r"Failed to import from vllm\._C\b", "vllm's compiled kernels, absent on CPU; the CPU path uses torch ops"),
+    (r"Reset SSM cache type", "vllm adjusting a setting of state-space models; the diffusion models have none"),
     (r"FlashInfer ring kernels are unavailable", "CUDA-only kernels, on a CPU machine"),
     (r"Model Runner V2 requires Triton", "vllm falls back to the V1 runner, which vllm-omni uses anyway"),
     (r"does not support torch inductor", "no torch.compile on the CPU platform"),

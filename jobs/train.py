@@ -46,13 +46,16 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     from app.train.prompts import load_prompts
 
     try:
-        load_prompts(config.data.prompts)
+        prompts = load_prompts(config.data.prompts)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if config.eval.enabled:
+        check_eval_set(config, prompts)
     # Ray workers run in their own folders: every path they read becomes absolute here
     config.model.path = str(model.resolve())
-    if Path(config.data.prompts).expanduser().is_file():
-        config.data.prompts = str(Path(config.data.prompts).expanduser().resolve())
+    for section, key in ((config.data, "prompts"), (config.eval, "prompts")):
+        if Path(getattr(section, key)).expanduser().is_file():
+            setattr(section, key, str(Path(getattr(section, key)).expanduser().resolve()))
     run_dir = Path(config.logging.dir).expanduser().resolve()
     has_checkpoint = any((run_dir / CHECKPOINTS).glob("checkpoint_step_*"))
     if args.resume and not has_checkpoint:
@@ -62,6 +65,22 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
         raise ConfigError(f"logging.dir={config.logging.dir!r} already holds a run: pass --resume to continue it, "
                           "or set logging.dir to a new folder")
     return config, run_dir
+
+
+def check_eval_set(config: RunConfig, training_prompts: list | None) -> list:
+    """The eval set's prompts (a ConfigError if it cannot be read); a warning when some are training prompts."""
+    from app.eval.sets import eval_prompts, overlap
+
+    try:
+        prompts = eval_prompts(config)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    shared = overlap(prompts, training_prompts) if training_prompts else 0
+    if shared:
+        print(f"warning: {shared} of the {len(prompts)} prompts of eval.prompts={config.eval.prompts} are also "
+              f"training prompts (data.prompts={config.data.prompts}): the evaluation is not held out there",
+              file=sys.stderr, flush=True)
+    return prompts
 
 
 def start_ray(config: RunConfig):
@@ -145,6 +164,12 @@ def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None,
         f"  training:    {cluster.num_workers} FSDP2 workers ({backend}); {train.num_steps} steps of "
         f"{train.groups_per_step} groups; LoRA rank {model.lora_rank}, lr {train.learning_rate:g}; a checkpoint "
         f"every {train.checkpoint_every or train.num_steps} steps; up to {train.max_failures} worker-group restarts",
+        "  evaluation:  " + (f"{config.eval.prompts} every {config.eval.every or '-'} steps"
+                             + (" and before the first" if config.eval.before_train else "")
+                             + f", {(config.eval.width or rollout.width)}x{(config.eval.height or rollout.height)}, "
+                               f"noise level {config.eval.noise_level:g}"
+                             + (", sentinels against the base model" if config.eval.sentinels else "")
+                             if config.eval.enabled else "off (eval.every=0)"),
         "  schedule:    " + ("on-policy (each step samples the adapter of the step before)" if not train.max_staleness
                              else f"pipelined: the next {train.max_staleness} step(s) generate while one trains, "
                                   f"groups at most {train.max_staleness} adapter version(s) old"),
@@ -162,6 +187,16 @@ def summarize(run_dir: Path, result, dashboard_url: str | None, family: str) -> 
         first, last = history[0]["reward/mean"], history[-1]["reward/mean"]
         lines += [f"reward:        {first:+.4f} (step {history[0]['step']}) -> {last:+.4f} "
                   f"(step {history[-1]['step']})", f"reward curve:  {curve}"]
+    from app.eval.report import EvalLog
+
+    evaluations = [e for e in EvalLog(run_dir / "eval").history() if "eval/reward/mean" in e]
+    if evaluations:
+        first, last = evaluations[0], evaluations[-1]
+        ocr = (f", OCR accuracy {first['eval/ocr_accuracy']:.3f} -> {last['eval/ocr_accuracy']:.3f}"
+               if "eval/ocr_accuracy" in last else "")
+        lines += [f"eval reward:   {first['eval/reward/mean']:+.4f} (step {first['step']}) -> "
+                  f"{last['eval/reward/mean']:+.4f} (step {last['step']}){ocr}",
+                  f"eval curve:    {run_dir / 'eval_curve.png'} (grids, per-prompt results: {run_dir / 'eval'})"]
     grids = sorted((run_dir / "images").glob("step_*.png"))
     if grids:
         final = run_dir / "samples.png"

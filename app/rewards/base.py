@@ -22,9 +22,12 @@ class RewardScores:
 
     total: list[float]
     components: dict[str, list[float]] = field(default_factory=dict)
+    # what a reward read from each image, where it reads something (the OCR reward: the recognised text)
+    details: dict[str, list[str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"total": self.total, "components": self.components}
+        return {"total": self.total, "components": self.components, **({"details": self.details} if self.details
+                                                                          else {})}
 
 
 def as_uint8_images(images) -> np.ndarray:

@@ -29,10 +29,15 @@ class WeightedReward:
         images = as_uint8_images(images)
         if len(prompts) != len(images):
             raise ValueError(f"{len(images)} images but {len(prompts)} prompts: give one prompt per image")
-        components = {name: [float(s) for s in reward.score(images, prompts)]
-                      for name, (reward, _) in self.rewards.items()}
+        components, details = {}, {}
+        for name, (reward, _) in self.rewards.items():
+            if hasattr(reward, "score_and_read"):  # a reward that reads something: keep what it read
+                scores, details[name] = reward.score_and_read(images, prompts)
+            else:
+                scores = reward.score(images, prompts)
+            components[name] = [float(s) for s in scores]
         total = [sum(w * components[name][i] for name, (_, w) in self.rewards.items()) for i in range(len(images))]
-        return RewardScores(total=total, components=components)
+        return RewardScores(total=total, components=components, details=details)
 
 
 def build_reward(weights: dict[str, float], options: dict[str, dict] | None = None) -> WeightedReward:

@@ -61,4 +61,15 @@ class OcrReward:
         return " ".join(result.txts or ()) if result is not None else ""
 
     def score(self, images: np.ndarray, prompts: Sequence[str]) -> list[float]:
-        return [ocr_score(self.read(im), target_text(p)) for im, p in zip(images, prompts, strict=True)]
+        return self.score_and_read(images, prompts)[0]
+
+    def score_and_read(self, images: np.ndarray, prompts: Sequence[str]) -> tuple[list[float], list[str]]:
+        """(scores, the text recognised in each image)."""
+        texts = [self.read(im) for im in images]
+        return [ocr_score(t, target_text(p)) for t, p in zip(texts, prompts, strict=True)], texts
+
+
+def exact_match(recognised: str, target: str) -> bool:
+    """The recognised text is the target and nothing else (normalised as the reward normalises both); stricter
+    than a reward of 1, which a target found inside longer text also gets."""
+    return bool(_normalise(target)) and _normalise(recognised) == _normalise(target)

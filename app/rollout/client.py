@@ -180,6 +180,10 @@ class BlockingRolloutClient:
     def _submit(self, coro) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
+    def call(self, coro):
+        """Run a coroutine that uses `self.client` (e.g. an evaluation) on the client's loop; its result."""
+        return self._submit(coro).result()
+
     def collect_on_policy(self, requests: Sequence[GenerationRequest],
                           adapter: LoraAdapter | None) -> tuple[list[ScoredGroup], int]:
         return self._submit(self.client.collect_on_policy(requests, adapter)).result()

@@ -40,6 +40,7 @@ from app.flops import group_flops
 from app.metrics import PhaseTimer, Stats, busy_shares, reduce_over_workers, reward_metrics, throughput
 from app.rollout.client import BlockingRolloutClient, RolloutClient, ScoredGroup
 from app.train import checkpoint
+from app.train.evaluation import RunEvaluator, eval_due
 from app.train.policy import Policy
 from app.train.prompts import load_prompts
 from app.train.schedule import OnPolicySchedule, rollout_schedule
@@ -60,6 +61,7 @@ class Worker:
     state: checkpoint.TrainerState
     adapter: LoraAdapter | None = None  # what the replicas serve (None: the base model)
     log: run_metrics.RunLog | run_metrics.NullRunLog = field(default_factory=run_metrics.NullRunLog)  # rank 0 logs
+    evaluator: RunEvaluator | None = None  # rank 0, with evaluation on (eval.every, eval.before_train)
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -73,6 +75,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         try:
             for step in range(worker.state.step, config.train.num_steps):
                 metrics = train_step(worker, step)
+                if worker.evaluator is not None and eval_due(config, step):
+                    worker.schedule.finish()  # pipelined: the replicas serve the adapter just published
+                    worker.evaluator.after_step(step + 1, worker.adapter.version)
                 _report(worker, step, metrics)
             worker.schedule.finish()  # the replicas serve the final adapter when the run returns
         finally:
@@ -247,13 +252,16 @@ def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> 
     worker = Worker(config=config, rank=rank, world=world, policy=policy, optimizer=optimizer, schedule=schedule,
                     state=state, adapter=adapter)
     if rank == 0:
+        worker.log = run_metrics.RunLog(run_dir, first_step=state.step, total_steps=train.num_steps)
         # the replicas serve exactly this run's policy: the base model, or the resumed adapter (reset first: a
         # replica may serve an adapter of the same version number from an earlier run, or from before a restart)
         rollout.publish(None)
+        if config.eval.enabled:  # while the base model is served: the sentinels' reference, eval.before_train
+            worker.evaluator = RunEvaluator(config, run_dir, rollout, writer=worker.log.writer)
+            worker.evaluator.start(state.step)
         if adapter is not None:
             rollout.publish(adapter)
         if restored is not None:
             print(f"[flowgrpo] continuing from the checkpoint of step {state.step}", file=sys.__stdout__, flush=True)
-        worker.log = run_metrics.RunLog(run_dir, first_step=state.step, total_steps=train.num_steps)
     dist.barrier()
     return worker

@@ -71,34 +71,39 @@ def _tiny_edits() -> list[EditPrompt]:
     return [EditPrompt(f'Change the sign so that it says "{new}"', rendered_sign(old)) for old, new in _TINY_EDITS]
 
 
-def load_prompts(source: str) -> list[Prompt]:
-    """The prompts of `data.prompts`: a built-in set name, a UTF-8 text file (blank lines and '#' lines skipped), or
-    a `.jsonl` file of `{"prompt": ...}` / `{"prompt": ..., "image": path relative to the file}` (an edit)."""
+def load_prompts(source: str, key: str = "data.prompts") -> list[Prompt]:
+    """The prompts of `data.prompts` (or of the setting `key` names, e.g. eval.prompts): a built-in set name
+    (training or evaluation, `app/eval/sets.py`), a UTF-8 text file (blank lines and '#' lines skipped), or a
+    `.jsonl` file of `{"prompt": ...}` / `{"prompt": ..., "image": path relative to the file}` (an edit)."""
+    from app.eval.sets import EVAL_SETS
+
     if source in BUILTIN:
         return list(BUILTIN[source])
     if source in BUILTIN_EDITS:
         return BUILTIN_EDITS[source]()
+    if source in EVAL_SETS:
+        return EVAL_SETS[source]()
     path = Path(source).expanduser()
     if not path.is_file():
-        raise ValueError(f"data.prompts={source!r} is neither a file nor a built-in set "
-                         f"({', '.join([*BUILTIN, *BUILTIN_EDITS])})")
+        raise ValueError(f"{key}={source!r} is neither a file nor a built-in set "
+                         f"({', '.join([*BUILTIN, *BUILTIN_EDITS, *EVAL_SETS])})")
     if path.suffix == ".jsonl":
-        return _jsonl_prompts(path, source)
+        return _jsonl_prompts(path, source, key)
     prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
     prompts = [p for p in prompts if p and not p.startswith("#")]
     if not prompts:
-        raise ValueError(f"data.prompts={source!r} holds no prompts (one per line; '#' starts a comment)")
+        raise ValueError(f"{key}={source!r} holds no prompts (one per line; '#' starts a comment)")
     return prompts
 
 
-def _jsonl_prompts(path: Path, source: str) -> list[Prompt]:
+def _jsonl_prompts(path: Path, source: str, key: str) -> list[Prompt]:
     from PIL import Image
 
     prompts: list[Prompt] = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
-        where = f"data.prompts={source!r} line {number}"
+        where = f"{key}={source!r} line {number}"
         try:
             item = json.loads(line)
         except json.JSONDecodeError as err:
@@ -115,7 +120,7 @@ def _jsonl_prompts(path: Path, source: str) -> list[Prompt]:
         except OSError:
             raise ValueError(f"{where}: image {str(image_path)!r} is not a readable image") from None
     if not prompts:
-        raise ValueError(f"data.prompts={source!r} holds no prompts")
+        raise ValueError(f"{key}={source!r} holds no prompts")
     return prompts
 
 
