@@ -101,12 +101,16 @@ def start_ray(config: RunConfig):
     return context
 
 
-def deploy_serve_app(config: RunConfig):
+def deploy_serve_app(config: RunConfig, app_name: str | None = None):
+    """Deploy the rollout/reward application of `config` as `app_name` (default: deployments.builders.APP_NAME);
+    its (Rollout, Reward, Adapters) handles."""
     from ray import serve
 
     from app.console import log_level
     from deployments.builders import APP_NAME, build_app
     from deployments.client import handles
+
+    app_name = app_name or APP_NAME
 
     level = log_level(config.logging.verbose)
     serve.start(http_options={"host": "127.0.0.1", "port": config.cluster.serve_port},
@@ -116,8 +120,8 @@ def deploy_serve_app(config: RunConfig):
     app = config.app()
     if app.serve.log_level is None:  # the replicas follow logging.verbose unless serve.log_level says otherwise
         app = dataclasses.replace(app, serve=dataclasses.replace(app.serve, log_level=level))
-    serve.run(build_app(app), name=APP_NAME, route_prefix=f"/{APP_NAME}")
-    return handles(APP_NAME)
+    serve.run(build_app(app), name=app_name, route_prefix=f"/{app_name}")
+    return handles(app_name)
 
 
 def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters):

@@ -80,6 +80,8 @@ class FamilyBase:
     lora_targets: tuple[str, ...]
     # what `save_adapter` writes, as the run's summary tells the user
     adapter_format: str
+    # the denoiser's top-level modules a LoRA of the family lives in (how an adapter file tells its family)
+    adapter_roots: tuple[str, ...]
     # files that identify a checkpoint folder of the family, and what such a folder is
     checkpoint_files: tuple[str, ...]
     checkpoint_layout: str

@@ -1,6 +1,9 @@
-"""peft LoRA on a diffusers transformer: attach an in-memory adapter, and export one (adapter tensors only)."""
+"""peft LoRA on a diffusers transformer: attach an in-memory adapter, export one (adapter tensors only), read a saved
+one and check that a family's replicas can serve it."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -79,3 +82,76 @@ def random_lora(transformer, *, version: int, rank: int, target_modules: list[st
     transformer.delete_adapters("random")
     adapter.tensors = {k: v * scale if ".lora_B." in k else v for k, v in adapter.tensors.items()}
     return adapter
+
+
+def read_adapter(path: str | Path, *, version: int) -> LoraAdapter:
+    """A saved LoRA as a `LoraAdapter` of `version`: a peft adapter folder (`adapter_model.safetensors` +
+    `adapter_config.json`), a diffusers LoRA folder or file (`pytorch_lora_weights.safetensors`, its metadata in
+    the file), or a checkpoint folder of ours (its `adapter/`). Rank from the tensors; alpha and target modules from
+    the metadata when there is some (alpha defaults to the rank, as diffusers does). A ValueError says what is
+    wrong."""
+    import json
+
+    from safetensors import safe_open
+
+    path = Path(path).expanduser()
+    if path.is_dir() and (path / "adapter").is_dir():
+        path = path / "adapter"
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        preferred = [f for f in files if f.name in ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")]
+        if len(preferred or files) != 1:
+            raise ValueError(f"{path}: expected one LoRA weights file (adapter_model.safetensors or "
+                             f"pytorch_lora_weights.safetensors); found {[f.name for f in files] or 'none'}")
+        weights = (preferred or files)[0]
+    elif path.is_file():
+        weights = path
+    else:
+        raise ValueError(f"{path}: no such adapter folder or file")
+    with safe_open(str(weights), "pt") as handle:
+        header = handle.metadata() or {}
+        tensors = {transformer_key(k): handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (not a dict)
+    meta = {}
+    if "lora_adapter_metadata" in header:  # diffusers: {"transformer.r": ..., "transformer.lora_alpha": ...}
+        meta = {k.removeprefix(PIPELINE_PREFIX): v for k, v in json.loads(header["lora_adapter_metadata"]).items()}
+    elif (weights.parent / "adapter_config.json").is_file():  # peft
+        meta = json.loads((weights.parent / "adapter_config.json").read_text())
+    ranks = {t.shape[0] for k, t in tensors.items() if ".lora_A." in k}
+    if len(ranks) != 1:
+        raise ValueError(f"{weights}: not a LoRA in peft/diffusers naming (<module>.lora_A.weight / .lora_B.weight"
+                         f"{'' if ranks else ', none found'}; ranks {sorted(ranks)})")
+    rank = ranks.pop()
+    targets = meta.get("target_modules") or sorted({_module(k).rsplit(".", 1)[-1] for k in tensors})
+    return LoraAdapter(tensors, rank=rank, alpha=float(meta.get("lora_alpha") or rank),
+                       target_modules=sorted(targets), version=version)
+
+
+def _module(key: str) -> str:
+    """The module a LoRA tensor belongs to: `a.b.lora_A.weight` -> `a.b`."""
+    return key.split(".lora_A.")[0].split(".lora_B.")[0]
+
+
+def adapter_problem(adapter: LoraAdapter, *, family, rank: int, targets: list[str]) -> str | None:
+    """Why the rollout replicas of `family` built for a LoRA of `rank` on `targets` (the config's model section)
+    cannot serve `adapter`, naming the setting to change; None when they can."""
+    from app.models.family import FAMILY_NAMES, get_family
+
+    modules = sorted({_module(k) for k in adapter.tensors})
+    if foreign := [m for m in modules if m.split(".", 1)[0] not in family.adapter_roots]:
+        owner = [name for name in FAMILY_NAMES
+                 if all(m.split(".", 1)[0] in get_family(name).adapter_roots for m in modules)]
+        of = f"a LoRA of model.family={owner[0]}" if owner else "not a LoRA of any known family"
+        return (f"is {of}, not of model.family={family.name} (its module {foreign[0]!r} is not in "
+                f"{family.name}'s {list(family.adapter_roots)}): evaluate it with a config of its family")
+    if adapter.rank != rank:
+        return f"has LoRA rank {adapter.rank}; the config's model.lora_rank={rank}: set model.lora_rank={adapter.rank}"
+    def matches(module: str, target: str) -> bool:
+        return module == target or module.endswith("." + target)
+
+    untargeted = [m for m in modules if not any(matches(m, t) for t in targets)]
+    missing = [t for t in targets if not any(matches(m, t) for m in modules)]
+    if untargeted or missing:
+        what = (f"trains {untargeted[0]!r}, which model.lora_target_modules={targets} does not name" if untargeted
+                else f"does not train {missing[0]!r}, which model.lora_target_modules={targets} names")
+        return f"{what}: set model.lora_target_modules={list(adapter.target_modules)}"
+    return None

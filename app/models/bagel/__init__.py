@@ -94,6 +94,7 @@ FAMILY = Bagel(
     exact_engines=("bagel",),  # vllm-omni hard-codes bf16 in BAGEL's attention and MLP
     lora_targets=tuple(GENERATION_TARGETS),
     adapter_format="a peft adapter folder of BAGEL's module names",
+    adapter_roots=("language_model",),
     checkpoint_files=("config.json", "llm_config.json", "ema.safetensors", "ae.safetensors"),
     checkpoint_layout="a BAGEL-7B-MoT folder",
     supports_edits=True,

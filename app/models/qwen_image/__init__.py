@@ -82,6 +82,7 @@ FAMILY = QwenImage(
     exact_engines=(VLLM_OMNI, "diffusers"),
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
     adapter_format="QwenImagePipeline.load_lora_weights(...) loads it",
+    adapter_roots=("transformer_blocks", "img_in", "txt_in", "txt_norm", "time_text_embed", "norm_out", "proj_out"),
     checkpoint_files=("model_index.json",),
     checkpoint_layout="a diffusers Qwen-Image folder",
     supports_edits=False,
