@@ -302,7 +302,7 @@ class EvalConfig:
     # sentinels: image statistics against the base model's images of the same prompts and seeds (made once per
     # run), and the band of each change outside which a warning is printed (app/eval/sentinels.py)
     sentinels: bool = True
-    sentinel_bands: dict[str, list[float]] = field(default_factory=_default_bands)
+    sentinel_bands: dict[str, Any] = field(default_factory=_default_bands)  # name -> [lo, hi] (Any: [0, 1] is fine)
 
     @property
     def enabled(self) -> bool:
@@ -502,7 +502,9 @@ def _check_eval(config: RunConfig) -> None:
     for name, band in ev.sentinel_bands.items():
         _require(name in DEFAULT_BANDS, f"eval.sentinel_bands.{name}: no such sentinel; the banded ones are "
                                         f"{list(DEFAULT_BANDS)}")
-        _require(len(band) == 2 and band[0] <= band[1], f"eval.sentinel_bands.{name}={band} must be [lo, hi], lo <= hi")
+        _require(isinstance(band, list) and len(band) == 2
+                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in band) and band[0] <= band[1],
+                 f"eval.sentinel_bands.{name}={band} must be [lo, hi], two numbers with lo <= hi")
     serve = config.serve
     size = (ev.height or config.rollout.height, ev.width or config.rollout.width)
     _require(max(size) <= serve.max_side and (ev.num_inference_steps or 0) <= serve.max_steps,

@@ -5,12 +5,12 @@ killed or preempted one would (`os._exit`: no exception, no cleanup, Ray sees th
 
 makes the first process that loads adapter version 3 die, and the first that starts generating group 5. A
 marker file is created atomically by the process that crashes, so exactly one process crashes once per marker,
-whichever replica gets there first. Points that
-exist: `rollout.load_lora` (key: the adapter version being loaded) and `rollout.generate` (key: the group's
-`group_id`). The tests kill from outside too (SIGKILL of a replica or worker when a step's line prints); these
-points are for moments too short or too uncertain to hit from outside: the LoRA publish takes tens of
-milliseconds, and a replica must have groups in flight when it dies. Unset (always, outside tests): nothing
-happens.
+whichever replica gets there first. Points that exist: `rollout.load_lora` (key: the adapter version being
+loaded), `rollout.generate` (key: the group's `group_id`) and `rollout.seed` (key: the request's seed; evaluation
+requests belong to no group). The tests kill from outside too (SIGKILL of a replica or worker when a step's line
+prints); these points are for moments too short or too uncertain to hit from outside: the LoRA publish takes tens
+of milliseconds, and a replica must have groups in flight when it dies. Unset (always, outside tests): nothing
+happens. A Serve application built while it is set passes it to its replicas (`deployments/builders.py`).
 """
 
 from __future__ import annotations

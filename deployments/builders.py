@@ -11,6 +11,7 @@ One application, four deployments behind Serve's load balancer: `Rollout` (the e
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from ray.serve import Application
 
 from app.config import AppConfig, LogLevel, RewardConfig, load_app
 from app.console import replica_env
+from app.faults import ENV as CRASH_ENV  # tests only: crash points reach the replicas of an existing cluster
 from deployments.adapters import AdapterStore
 from deployments.api import ApiIngress
 from deployments.api import app as fastapi_app
@@ -59,7 +61,8 @@ def build_app(args: Mapping | AppConfig) -> Application:
 
         get_family(model.family).build_tiny(model.path, seed=model.tiny_seed)  # here, once, before any replica starts
     log_level = str(settings.log_level or LogLevel.INFO)
-    env = {"env_vars": {**_SINGLE_THREAD_ENV, **replica_env(log_level)}}
+    env = {"env_vars": {**_SINGLE_THREAD_ENV, **replica_env(log_level),
+                        **({CRASH_ENV: os.environ[CRASH_ENV]} if CRASH_ENV in os.environ else {})}}
     logging_config = {"log_level": log_level, "enable_access_log": log_level in ("DEBUG", "INFO")}
     # one replica, no resources to speak of; many small concurrent reads when replicas start or resync
     adapters = serve.deployment(AdapterStore, name="Adapters", num_replicas=1, max_ongoing_requests=64,

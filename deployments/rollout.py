@@ -63,6 +63,7 @@ class RolloutReplica:
                 raise AdapterUnavailable(f"the group asks for adapter version {wanted}; replica {self.replica_id} "
                                          f"serves {self.engine.lora_version}, the same as the adapter store")
         crash_point("rollout.generate", request.group_id)  # tests only: a replica dying mid-generation
+        crash_point("rollout.seed", request.seed)  # the same, for requests of no group (evaluations)
         traj = await self.engine.generate(request)
         traj.producer["replica"] = self.replica_id
         return traj
