@@ -112,9 +112,16 @@ class RolloutClient:
         return ScoredGroup(index, traj, scores, arrived, time.perf_counter(), failed_generations + failed_scorings)
 
     async def stream(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[ScoredGroup]:
-        """Scored groups in the order they finish; each is sent to the reward as soon as it is generated."""
-        for next_done in asyncio.as_completed([self._one(i, r) for i, r in enumerate(requests)]):
-            yield await next_done
+        """Scored groups in the order they finish; each is sent to the reward as soon as it is generated. Should one
+        fail for good, the others are cancelled (nobody will wait for them) before the error reaches the caller."""
+        tasks = [asyncio.ensure_future(self._one(i, r)) for i, r in enumerate(requests)]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(self, requests: Sequence[GenerationRequest], *, streamed: bool = True) -> list[ScoredGroup]:
         """All groups, in request order. streamed=False scores only after every rollout finished (the baseline)."""

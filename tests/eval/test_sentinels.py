@@ -5,8 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from app.eval.sentinels import (brightness, colour_entropy, dark_fraction, distance, edge_energy, out_of_band,
-                                sentinels)
+from app.eval.sentinels import brightness, colour_entropy, dark_fraction, distance, edge_energy, out_of_band, sentinels
 
 
 def flat(value, size=8) -> np.ndarray:
