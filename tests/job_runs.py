@@ -123,3 +123,16 @@ class KilledRun:
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+
+def eval_lines(run_dir: Path) -> dict[int, dict]:
+    """A run's evaluations by step (`<run>/eval/metrics.jsonl`)."""
+    from app.eval.report import EvalLog
+
+    return {e["step"]: e for e in EvalLog(run_dir / "eval").history()}
+
+
+def comparable(line: dict) -> dict:
+    """An evaluation's figures, without its wall time and retries."""
+    return {k: v for k, v in line.items() if k.startswith(("eval/", "sentinel/"))
+            and k not in ("eval/seconds", "eval/retries")}

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from job_runs import KilledRun, run_job
+from job_runs import KilledRun, comparable, eval_lines, run_job
 
 from app.metrics import read_history
 
@@ -50,7 +50,10 @@ def deaths(tmp_path_factory) -> Outcome:
     base = tmp_path_factory.mktemp("deaths")
     run_dir, markers = base / "run", {name: base / f"crashed-{name}" for name in CRASHES}
     crash = ",".join(f"{CRASHES[name]}@{markers[name]}" for name in CRASHES)
+    # evaluation off: `tiny_run` evaluates (before step 1, every 8 steps), so equal rewards also show that
+    # evaluating changes no training group
     run = KilledRun(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "train.checkpoint_every=2",
+                    "eval.every=0", "eval.before_train=false",
                     kills=KILLS, after={3: lambda: checkpoint_registered(run_dir, step=2)},
                     env={"RAY_FLOWGRPO_CRASH": crash})
     assert run.wait() == 0, run.output[-6000:]
@@ -108,8 +111,10 @@ def test_a_stopped_run_resumed_from_its_folder_continues_as_the_uninterrupted_on
     shutil.copytree(deaths.run_dir, run_dir)  # a copy: the other tests read the original
     # one replica of each: where a group is sampled or scored does not change it (the deaths above show it), and
     # one of each starts faster
+    # evaluation on from here, after every step: the run folder has no base images yet (made before the resumed
+    # adapter is served again), and the evaluation of step 8 must equal the uninterrupted run's
     again = run_job(f"logging.dir={run_dir}", f"train.num_steps={STEPS + 2}", "train.checkpoint_every=2",
-                    "rollout.num_replicas=1", "reward.num_replicas=1", "--resume")
+                    "rollout.num_replicas=1", "reward.num_replicas=1", "eval.every=1", "--resume")
     assert again.returncode == 0, again.stderr[-4000:]
     assert f"continuing from the checkpoint of step {STEPS}" in again.stdout + again.stderr
     resumed, uninterrupted = read_history(run_dir), read_history(tiny_run)
@@ -118,3 +123,8 @@ def test_a_stopped_run_resumed_from_its_folder_continues_as_the_uninterrupted_on
         assert r["reward/mean"] == u["reward/mean"]  # sampled by the restored adapter, prompts and seeds
         assert r["actor/grad_norm"] == pytest.approx(u["actor/grad_norm"], rel=1e-6)
         assert r["rollout/staleness_max"] == 0 and r["rollout/adapter_version"] == r["step"]
+    evaluated, uninterrupted_eval = eval_lines(run_dir), eval_lines(tiny_run)
+    assert sorted(evaluated) == [7, 8] and sorted(uninterrupted_eval) == [0, 8, 16, 24]
+    assert comparable(evaluated[8]) == comparable(uninterrupted_eval[8])
+    assert (run_dir / "eval" / "base_images.npz").is_file()
+

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from job_runs import REPO, history, run_job
+from job_runs import REPO, comparable, eval_lines, free_port, history, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 
@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.jobs]
     ("model.build_tiny=false", "model.path"),  # no checkpoint at the model path
     ("data.prompts=/nowhere/prompts.txt", "data.prompts"),
     ("reward.weights={ocrr: 1.0}", "reward.weights"),  # a misspelt reward, caught before any replica starts
+    ("eval.prompts=ocr_evall", "eval.prompts"),
 ])
 def test_bad_config_is_one_line_naming_the_key_and_starts_nothing(tmp_path, override, key):
     run_dir = tmp_path / "run"
@@ -27,6 +28,15 @@ def test_bad_config_is_one_line_naming_the_key_and_starts_nothing(tmp_path, over
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], done.stderr
     assert not run_dir.exists() and "Ray" not in done.stdout + done.stderr  # nothing was started or written
+
+
+@pytest.mark.parametrize("job", ["jobs.train", "jobs.evaluate"])
+def test_a_config_file_that_does_not_exist_is_one_line_naming_it(job):
+    done = subprocess.run([sys.executable, "-m", job, "--config", "configs/nonexistent.yaml"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == ("error: --config configs/nonexistent.yaml: no such file "
+                                                            "(configs/ holds the project's configs, e.g. "
+                                                            "configs/tiny_cpu.yaml)")
 
 
 def test_missing_model_path_names_the_key(tmp_path):
@@ -114,3 +124,59 @@ def test_a_pipelined_run_with_an_sde_window_trains_on_groups_at_most_one_version
     assert all(math.isfinite(r["actor/loss"]) and 0 <= r["perf/rollout_busy_share"] <= 1 for r in records)
     state = json.loads((run_dir / "checkpoints" / "checkpoint_step_000005" / "trainer_state.json").read_text())
     assert state["adapter_version"] == 5
+
+
+def test_tiny_run_evaluates_the_same_held_out_prompts_and_noise_every_time(tiny_run):
+    """The shipped config evaluates before the first step and every 8 steps (ocr_eval_tiny: 4 prompts x 2 images,
+    noise level 0): eval metrics, per-image lines, a grid each time and the eval curve; the sentinels of the base
+    evaluation are the base model against itself."""
+    evaluations = eval_lines(tiny_run)
+    assert sorted(evaluations) == [0, 8, 16, 24]
+    for step, line in evaluations.items():
+        assert line["adapter_version"] == step and line["eval/images"] == 8
+        assert all(math.isfinite(line[k]) for k in line if k.startswith(("eval/", "sentinel/")))
+        assert {"eval/reward/ocr", "eval/reward/jpeg_compressibility", "eval/ocr_accuracy",
+                "eval/ocr_exact_match", "sentinel/colour_entropy_change", "sentinel/edge_energy_change",
+                "sentinel/brightness_change", "sentinel/dark_fraction_change", "sentinel/distance_to_base"} <= set(line)
+        records = [json.loads(x) for x in (tiny_run / "eval" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert len(records) == 8 and [r["prompt_index"] for r in records] == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert (tiny_run / "eval" / f"grid_step_{step:06d}.png").stat().st_size > 1000
+    base = evaluations[0]
+    assert base["sentinel/distance_to_base"] == 0 and base["sentinel/colour_entropy_change"] == 0
+    assert all(evaluations[s]["sentinel/distance_to_base"] > 0 for s in (8, 16, 24))  # the adapter changed them
+    first = [json.loads(x)["seed"] for x in (tiny_run / "eval" / "step_000000.jsonl").read_text().splitlines()]
+    last = [json.loads(x)["seed"] for x in (tiny_run / "eval" / "step_000024.jsonl").read_text().splitlines()]
+    assert first == last  # the same noise every evaluation
+    assert (tiny_run / "eval_curve.png").stat().st_size > 1000
+    events = b"".join(p.read_bytes() for p in (tiny_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert b"eval/reward/mean" in events and b"sentinel/distance_to_base" in events and b"eval/grid" in events
+
+
+def test_jobs_evaluate_on_a_checkpoint_equals_the_evaluation_during_training(tiny_run, tmp_path):
+    """`python -m jobs.evaluate` of the checkpoint of step 8, twice, beside the base model: each column equals the
+    training run's evaluation of that step (the base: of step 0), image for image; a bad adapter is refused."""
+    adapter = tiny_run / "checkpoints" / "checkpoint_step_000008"
+    refused = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--config", "configs/tiny_cpu.yaml",
+                              "--adapter", str(adapter), "model.lora_rank=8"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "set model.lora_rank=4" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "Ray" not in refused.stdout + refused.stderr
+    out = tmp_path / "evaluation"
+    done = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--config", "configs/tiny_cpu.yaml",
+                           "--adapter", str(adapter), "--adapter", str(adapter / "adapter"), "--out", str(out),
+                           f"cluster.serve_port={free_port()}", "rollout.num_replicas=1", "reward.num_replicas=1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "checkpoint_step_000008#2" in done.stdout and "OCR exact match" in done.stdout
+    columns = json.loads((out / "evaluation.json").read_text())["evaluations"]
+    assert [c["name"] for c in columns] == ["base", "checkpoint_step_000008", "checkpoint_step_000008#2"]
+    during = eval_lines(tiny_run)
+    assert comparable(columns[0]) == comparable(during[0])
+    assert comparable(columns[1]) == comparable(during[8]) == comparable(columns[2])
+
+    def per_image(path):
+        return [{k: v for k, v in json.loads(x).items() if k != "adapter_version"}
+                for x in path.read_text().splitlines()]
+
+    assert per_image(out / "checkpoint_step_000008.jsonl") == per_image(tiny_run / "eval" / "step_000008.jsonl")
+    assert (out / "grid_checkpoint_step_000008.png").is_file()

@@ -98,3 +98,35 @@ def test_over_long_prompts_are_a_400_naming_the_prompt_at_every_endpoint(served)
         assert response.headers["content-type"].startswith("application/json")
         error = response.json()["error"]
         assert error["param"] == "prompt" and "the limit is 2045" in error["message"], error
+
+
+def test_an_edit_evaluation_through_the_served_app_is_deterministic_and_edits_its_signs(served, tiny_bagel_dir):
+    """`ocr_edit_eval_tiny` through the application: each request carries its sign, the images are the edits'
+    (not the text-to-image images of the same instructions), two evaluations agree, the OCR's reading is kept."""
+    import asyncio
+
+    from app.config import load
+    from app.eval.evaluate import evaluate
+    from app.eval.report import sentinel_metrics
+    from app.eval.sets import eval_prompts
+    from app.rollout.client import RolloutClient
+    from deployments.client import handles
+
+    config = load("configs/tiny_bagel_cpu.yaml", [f"model.path={tiny_bagel_dir}", "rollout.num_inference_steps=3",
+                                                  "eval.prompts=ocr_edit_eval_tiny", "eval.images_per_prompt=2"])
+    edits = eval_prompts(config)
+    as_text = [str(p) for p in edits]  # the same instructions without their images
+    client = RolloutClient(*handles(APP), retries=1, retry_delay_s=0.5)
+
+    async def run():
+        return (await evaluate(client, config, edits, 0), await evaluate(client, config, edits, 0),
+                await evaluate(client, config, as_text, 0))
+
+    first, second, text_to_image = asyncio.run(run())
+    assert first.images.shape == (2, 2, 64, 64, 3) and np.array_equal(first.images, second.images)
+    assert first.records() == second.records()
+    assert not np.array_equal(first.images, text_to_image.images)  # conditioned on the sign
+    assert [r["target"] for r in first.records()] == ["RIVER", "RIVER", "WINTER", "WINTER"]
+    assert all(isinstance(r["ocr_text"], str) for r in first.records())
+    metrics, _ = sentinel_metrics(first, text_to_image.images, config.eval.sentinel_bands)
+    assert metrics["sentinel/distance_to_base"] > 0
