@@ -31,3 +31,15 @@ def test_tiny_bagel_run_is_on_policy_with_exact_log_probs(bagel_run):
     final = bagel_run / "checkpoints" / f"checkpoint_step_{STEPS:06d}" / "adapter"
     assert (final / "adapter_model.safetensors").is_file() and (final / "adapter_config.json").is_file()
     assert (bagel_run / "samples.png").stat().st_size > 1000
+
+
+def test_tiny_bagel_run_evaluates_held_out_edits(bagel_run):
+    """The tiny BAGEL config evaluates `ocr_edit_eval_tiny` (2 rendered signs to re-letter, 2 images each) before
+    the first step and after the last, its sentinels against the base model's edits."""
+    from job_runs import eval_lines
+
+    evaluations = eval_lines(bagel_run)
+    assert sorted(evaluations) == [0, STEPS]
+    assert evaluations[0]["sentinel/distance_to_base"] == 0.0 and evaluations[STEPS]["sentinel/distance_to_base"] > 0
+    assert all(e["eval/images"] == 4 and math.isfinite(e["eval/reward/mean"]) for e in evaluations.values())
+    assert (bagel_run / "eval" / f"grid_step_{STEPS:06d}.png").is_file()
