@@ -1,5 +1,5 @@
 """`python -m jobs.train` on the tiny BAGEL config end to end, in a fresh process as a user runs it: text-to-image
-and edit groups from our BAGEL engine on two Serve replicas, two FSDP2 workers training the generation expert's
+and edit groups from our BAGEL engine behind Serve, two FSDP2 workers training the generation expert's
 LoRA. The run stays on-policy with the rollout's log-probs reproduced exactly, and writes a peft adapter."""
 
 import math
@@ -14,7 +14,10 @@ STEPS = 8  # two checkpoints (every 4 steps)
 @pytest.fixture(scope="module")
 def bagel_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("bagel") / "run"
-    done = run_job(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", config="configs/tiny_bagel_cpu.yaml")
+    # one replica of each (the Qwen-Image jobs exercise two): where a group is sampled changes nothing, and one of
+    # each starts in half the CPU time
+    done = run_job(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "rollout.num_replicas=1",
+                   "reward.num_replicas=1", config="configs/tiny_bagel_cpu.yaml")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "training of bagel" in done.stdout and "a peft adapter folder" in done.stdout
     return run_dir
