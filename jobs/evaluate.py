@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                                      if getattr(context, "dashboard_url", None) else ""), flush=True)
     try:
         evaluations = asyncio.run(evaluate_all(config, prompts, adapters, deploy_serve_app(config, APP_NAME)))
+    except Exception as err:  # a group failed after its retries (replicas lost, an engine error): say which
+        print(f"error: the evaluation failed: {type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}",
+              file=sys.stderr)
+        return 1
     finally:
         serve.delete(APP_NAME)
     log, base, lines = EvalLog(out, grid_prompts=ev.grid_prompts), evaluations[0], []
