@@ -117,16 +117,23 @@ def _fit(draw, text: str, font, width: int) -> str:
     return text + "…"
 
 
-def read_history(run_dir: str | Path) -> list[dict]:
-    """The per-step metrics of a run, one dict per step (the last record wins when a resumed run rewrote steps)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    by_step = {}
+def latest_records(path: str | Path, key: str) -> dict:
+    """{record[key]: record} of a JSON-lines file, the last record of each key winning (a resumed run rewrites
+    steps), in the order the keys first appear; {} when there is no file."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    latest = {}
     for line in path.read_text().splitlines():
         if line.strip():
             record = json.loads(line)
-            by_step[record["step"]] = record
+            latest[record[key]] = record
+    return latest
+
+
+def read_history(run_dir: str | Path) -> list[dict]:
+    """The per-step metrics of a run, one dict per step (the last record wins when a resumed run rewrote steps)."""
+    by_step = latest_records(Path(run_dir) / "metrics.jsonl", "step")
     return [by_step[s] for s in sorted(by_step)]
 
 

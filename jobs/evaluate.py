@@ -64,15 +64,11 @@ def checked(args: argparse.Namespace):
     from app.models.family import get_family
     from app.models.lora import adapter_problem, read_adapter
     from app.train.prompts import load_prompts
-    from jobs.train import check_eval_set
+    from jobs.train import check_eval_set, check_model_path
 
     config = load(args.config, args.overrides)
+    check_model_path(config)
     family = get_family(config.model.family)
-    model = Path(config.model.path).expanduser()
-    if not config.model.build_tiny and (problem := family.checkpoint_problem(model)):
-        raise ConfigError(f"model.path={config.model.path!r} {problem}: point it at a model.family="
-                          f"{config.model.family} checkpoint, or set model.build_tiny=true for the tiny CPU model")
-    config.model.path = str(model.resolve())
     try:
         training = load_prompts(config.data.prompts)
     except ValueError:

@@ -37,12 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     """The run config and run folder, or a ConfigError saying what to change. Starts nothing."""
     config = load(args.config, args.overrides)
-    model = Path(config.model.path).expanduser()
-    from app.models.family import get_family
-
-    if not config.model.build_tiny and (problem := get_family(config.model.family).checkpoint_problem(model)):
-        raise ConfigError(f"model.path={config.model.path!r} {problem}: point it at a model.family="
-                          f"{config.model.family} checkpoint, or set model.build_tiny=true for the tiny CPU model")
+    check_model_path(config)
     from app.train.prompts import load_prompts
 
     try:
@@ -52,7 +47,6 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     if config.eval.enabled:
         check_eval_set(config, prompts)
     # Ray workers run in their own folders: every path they read becomes absolute here
-    config.model.path = str(model.resolve())
     for section, key in ((config.data, "prompts"), (config.eval, "prompts")):
         if Path(getattr(section, key)).expanduser().is_file():
             setattr(section, key, str(Path(getattr(section, key)).expanduser().resolve()))
@@ -65,6 +59,18 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
         raise ConfigError(f"logging.dir={config.logging.dir!r} already holds a run: pass --resume to continue it, "
                           "or set logging.dir to a new folder")
     return config, run_dir
+
+
+def check_model_path(config: RunConfig) -> None:
+    """A ConfigError unless model.path is a checkpoint of model.family (or the tiny model is built there); the path
+    made absolute (Ray workers and replicas run in their own folders)."""
+    from app.models.family import get_family
+
+    model = Path(config.model.path).expanduser()
+    if not config.model.build_tiny and (problem := get_family(config.model.family).checkpoint_problem(model)):
+        raise ConfigError(f"model.path={config.model.path!r} {problem}: point it at a model.family="
+                          f"{config.model.family} checkpoint, or set model.build_tiny=true for the tiny CPU model")
+    config.model.path = str(model.resolve())
 
 
 def check_eval_set(config: RunConfig, training_prompts: list | None) -> list:

@@ -20,7 +20,7 @@ import numpy as np
 
 from app.eval.evaluate import Evaluation
 from app.eval.sentinels import out_of_band, sentinels
-from app.metrics import labelled_grid
+from app.metrics import labelled_grid, latest_records
 
 BASE_IMAGES = "base_images.npz"
 
@@ -120,15 +120,7 @@ class EvalLog:
 
     def history(self) -> list[dict]:
         """Every evaluation line written, in order (the last one of a step wins)."""
-        path = self.dir / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        by_name = {}
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                by_name[record["name"]] = record
-        return list(by_name.values())
+        return list(latest_records(self.dir / "metrics.jsonl", "name").values())
 
 
 def plot_eval_curve(history: list[dict], path: str | Path) -> Path | None:
