@@ -65,6 +65,11 @@ class AdvStdMode(StrEnum):
 class OldLogprob(StrEnum):
     rollout = "rollout"  # as the engine recorded them
     recompute = "recompute"  # one extra forward of the current policy
+    trainer = "trainer"  # the training forward's own, on the first pass (free; exact under torch.compile)
+
+
+# torch.compile's modes (None: its default); "reduce-overhead" adds CUDA graphs
+CompileMode = _choices("CompileMode", ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
 
 
 class LogLevel(StrEnum):
@@ -76,6 +81,21 @@ class LogLevel(StrEnum):
 
 class ConfigError(ValueError):
     """A run configuration that cannot be used; the message names the key and what to change."""
+
+
+@dataclass
+class CompileConfig:
+    # regional torch.compile of the family's repeated blocks (`ModelFamily.compiled_blocks`): in the trainer (each
+    # block after FSDP2 wraps it) and in the in-process engines; vllm-omni compiles with its own setting on CUDA
+    # (`enforce_eager` follows this; its CPU platform stays eager). A compiled forward with gradients is not
+    # bit-equal to one without: with it on, take old log-probs from the trainer (train.old_logprob: trainer)
+    enabled: bool = False
+    backend: str = "inductor"
+    mode: CompileMode = CompileMode.default
+    # inductor's cache (FX graphs, autograd graphs, kernels), shared by the run's processes so that a restarted
+    # worker, a replacement replica and --resume start warm; null: <logging.dir>/compile_cache for jobs.train,
+    # torch's own (/tmp/torchinductor_<user>) elsewhere. Put it on shared storage on a multi-node cluster
+    cache_dir: str | None = None
 
 
 @dataclass
@@ -94,6 +114,7 @@ class ModelConfig:
     lora_rank: int = 32
     lora_alpha: int = 64
     lora_target_modules: list[str] | None = None
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     @property
     def lora_targets(self) -> list[str]:
@@ -240,8 +261,18 @@ class TrainConfig:
     num_inner_epochs: int = 1
     # samples of one prompt group per forward/backward on one worker (divides rollout.group_size)
     micro_batch_size: int = 4
-    # old log-probs: "rollout" (as returned by the engine) or "recompute" (one extra forward)
+    # old log-probs (the ratio's denominator): "rollout" (as returned by the engine), "recompute" (one extra
+    # forward of the policy before the update) or "trainer" (the first pass's own forward, detached: free, and
+    # exact when compiled). With "trainer" the rollout's log-probs weigh each term as the behaviour policy's:
+    # w = min(π_step / π_rollout, behaviour_weight_max) (decoupled PPO), 1 where the engine matches exactly
     old_logprob: OldLogprob = OldLogprob.rollout
+    # the truncation C of the behaviour weight (train.old_logprob: trainer)
+    behaviour_weight_max: float = 2.0
+    # with model.compile: the share of activations compile's min-cut partitioner keeps for the backward (it
+    # recomputes the cheapest of the rest), instead of gradient_checkpointing's whole-block recompute. null: off
+    activation_memory_budget: float | None = None
+    # AdamW's fused CUDA kernel for the LoRA parameters (on GPUs; CPUs use the default implementation)
+    fused_optimizer: bool = True
     # adapter versions a trained group may lag behind the policy. 0: strictly on-policy (each step waits for
     # groups of the adapter it just published). k >= 1: the groups of the next k steps are generated while this
     # step trains, with the adapter the replicas have; a group more than k versions old is regenerated. The
@@ -461,20 +492,33 @@ def _check_run(config: RunConfig) -> None:
              "(a micro-batch holds images of one prompt group, which share the prompt embeddings)")
     _require(train.num_inner_epochs >= 1, f"train.num_inner_epochs={train.num_inner_epochs} must be >= 1")
     _require(train.max_staleness >= 0, f"train.max_staleness={train.max_staleness} must be >= 0 (0: on-policy)")
-    _require(train.max_staleness == 0 or train.old_logprob == OldLogprob.rollout,
-             f"train.max_staleness={train.max_staleness} takes the importance ratio against the rollout's log-probs "
-             "(the policy that sampled a stale group, which the trainer no longer has): it needs "
-             "train.old_logprob=rollout, and an engine whose log-probs match the trainer's")
+    _require(train.max_staleness == 0 or train.old_logprob != OldLogprob.recompute,
+             f"train.max_staleness={train.max_staleness} weighs a stale group by the rollout's log-probs (the policy "
+             "that sampled it, which the trainer no longer has): it needs train.old_logprob=rollout or trainer")
+    _require(train.old_logprob != OldLogprob.trainer or train.num_inner_epochs == 1,
+             f"train.old_logprob=trainer takes old log-probs from the first pass itself; with train.num_inner_epochs="
+             f"{train.num_inner_epochs} later passes need them before the update: set train.old_logprob=recompute")
+    _require(train.behaviour_weight_max >= 1,
+             f"train.behaviour_weight_max={train.behaviour_weight_max} must be >= 1 (1: no upweighting)")
+    compiled = config.model.compile
+    _require(not compiled.enabled or train.old_logprob != OldLogprob.rollout,
+             "model.compile.enabled: a compiled forward with gradients (the trainer's) differs in the last bits from "
+             "one without (the rollout's), far above train.clip_range: set train.old_logprob=trainer (free: the "
+             "first pass scores its own old log-probs) or recompute (one more forward)")
+    _require(train.activation_memory_budget is None or (compiled.enabled and 0 < train.activation_memory_budget <= 1
+                                                         and not train.gradient_checkpointing),
+             f"train.activation_memory_budget={train.activation_memory_budget} must be in (0, 1], with "
+             "model.compile.enabled and train.gradient_checkpointing off (it replaces the whole-block recompute)")
     _require(train.num_steps >= 0, f"train.num_steps={train.num_steps} must be >= 0")
     _require(train.checkpoint_every >= 0, f"train.checkpoint_every={train.checkpoint_every} must be >= 0")
     _require(train.learning_rate >= 0, f"train.learning_rate={train.learning_rate} must be >= 0")
     _require(rollout.noise_level > 0 or train.num_steps == 0,
              "rollout.noise_level=0 samples the deterministic ODE: there is nothing to train; set it > 0")
     exact = get_family(config.model.family).exact_engines
-    _require(rollout.engine in exact or train.old_logprob == OldLogprob.recompute,
+    _require(rollout.engine in exact or train.old_logprob != OldLogprob.rollout,
              f"rollout.engine={rollout.engine} does not reproduce the trainer's log-probs of model.family="
-             f"{config.model.family} exactly: set train.old_logprob=recompute (or rollout.engine={exact[0]}, "
-             "which matches exactly)")
+             f"{config.model.family} exactly: set train.old_logprob=trainer or recompute (or rollout.engine="
+             f"{exact[0]}, which matches exactly)")
 
 
 def eval_request(config: RunConfig, prompt, seed: int, lora_version: int | None) -> GenerationRequest:

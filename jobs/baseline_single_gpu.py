@@ -28,7 +28,7 @@ from app.rewards import build_reward
 from app.rollout.diffusers_engine import DiffusersEngine
 from app.train.policy import Policy
 from app.train.prompts import group_request, load_prompts, step_prompts
-from app.train.update import train_pass
+from app.train.update import make_optimizer, train_pass
 from jobs.report import emit_json_line
 
 
@@ -40,7 +40,7 @@ def run(config, steps: int) -> dict:
     policy = Policy.with_lora(engine.pipe.transformer, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
                               target_modules=model.lora_targets, seed=train.seed,
                               gradient_checkpointing=train.gradient_checkpointing)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
+    optimizer = make_optimizer(policy, train)
     reward = build_reward(config.reward.weights, {"ocr": {"detect_min_side": config.reward.ocr_detect_min_side}})
     prompts = load_prompts(config.data.prompts)
     records = []

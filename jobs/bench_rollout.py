@@ -9,6 +9,8 @@ Prints one JSON line: images/s of the batched mode (one request of n images per 
 mode (n requests of one image) at the same n, their ratio, and the overhead of the FlowGRPO pipeline (SDE step,
 per-sample generators, latents/log-probs recorded) over stock generation (`generate_plain`). Each mode runs the
 same prompts and seeds after a warm-up; the figure is the median of --repeats timed passes.
+`model.compile.enabled=true` compiles the engine's blocks: the warm-up (`warmup_s`) then includes compilation,
+and `compile_frames_timed` counts compilations during the timed batched passes (0 in steady state).
 """
 
 import argparse
@@ -22,6 +24,7 @@ from tqdm import tqdm
 
 from app.config import load
 from app.flops import group_flops, mfu
+from app.models.compile import compile_counts
 from app.models.family import get_family
 from deployments.rollout import make_engine
 from jobs.report import emit_json_line
@@ -48,9 +51,15 @@ async def bench(config, groups: int, repeats: int) -> dict:
     requests = [config.rollout.request(PROMPTS[i % len(PROMPTS)], seed=i) for i in range(groups)]
     ro = config.rollout
     images = groups * ro.group_size
-    first = await engine.generate(requests[0])  # warm-up: first-call allocations
+    began = time.perf_counter()
+    first = await engine.generate(requests[0])  # warm-up: first-call allocations (and compilation)
+    for r in requests[1:]:  # every prompt once: its text length (a new shape for a compiled block)
+        await engine.generate(r)
+    warmup = time.perf_counter() - began
     await engine.generate_plain(requests[0])
+    frames = compile_counts()["frames"]
     batched = await _timed("batched", engine.generate, requests, repeats)
+    frames = compile_counts()["frames"] - frames
     plain = await _timed("plain", engine.generate_plain, requests, repeats)
     engine.batched_groups = False
     await engine.generate(requests[0])
@@ -63,7 +72,9 @@ async def bench(config, groups: int, repeats: int) -> dict:
         "bench": "rollout", "engine": engine.kind, "device": "cuda" if torch.cuda.is_available() else "cpu",
         "torch_threads": torch.get_num_threads(), "group_size": ro.group_size, "groups": groups,
         "size": f"{ro.width}x{ro.height}", "steps": ro.num_inference_steps, "cfg": ro.guidance_scale,
-        "dtype": str(config.model.dtype),
+        "dtype": str(config.model.dtype), "compiled": engine.compiled,
+        "compile_mode": str(config.model.compile.mode) if engine.compiled else None,
+        "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
         "batched_images_per_s": round(images / batched, 2),
         "per_sample_images_per_s": round(images / per_sample, 2),
         "batched_over_per_sample": round(per_sample / batched, 2),

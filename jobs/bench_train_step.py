@@ -6,10 +6,13 @@ One process, one rank (a world of one: FSDP2 wraps the model as the Ray Train wo
 recipe: LoRA rank and targets, micro-batch, CFG, β·KL, gradient checkpointing. The batch is `--groups` groups of
 `rollout.group_size` sampled images in shape (random latents and prompt states: the cost does not depend on the
 values; `rollout.sde_window` places each group's window, whose steps are the ones trained), with old log-probs
-scored by the policy first, so the first pass's ratios are 1 as in training. Timed: one
-`app.train.update.train_pass` (forward, backward, clipping, optimizer step) after a warm-up pass; the figure is the
-median of --repeats passes (`--profile FILE`: one micro-batch of one trained step under the torch profiler, its
-GPU time by kind of kernel written to FILE as JSON). Useful FLOPs (app/flops.py): forward + input-gradient
+scored by the policy first (or, with `train.old_logprob=trainer`, by the first pass itself), so the first pass's
+ratios are 1 as in training: `ratio_dev_first_pass_max` says how exactly. `model.compile.enabled=true` compiles
+the blocks (the warm-up pass then includes compilation: `warmup_s`; `compile_frames_timed` counts compilations
+during the timed passes, 0 in steady state). Timed: one `app.train.update.train_pass` (forward, backward,
+clipping, optimizer step) after a warm-up pass; the figure is the median of --repeats passes (`--profile FILE`:
+one micro-batch of one trained step under the torch profiler, its GPU time by kind of kernel written to FILE as
+JSON). Useful FLOPs (app/flops.py): forward + input-gradient
 backward of both CFG branches, plus the reference forward when β > 0; gradient checkpointing's recomputation is
 not counted. One JSON line.
 """
@@ -31,9 +34,10 @@ from app.algo.timesteps import trained_steps
 from app.config import load
 from app.flops import group_flops, mfu
 from app.metrics import Stats
+from app.models.compile import compile_counts
 from app.models.qwen_image import model as qwen_image
 from app.train.policy import Policy
-from app.train.update import recompute_log_probs, train_pass
+from app.train.update import make_optimizer, recompute_log_probs, train_pass
 from app.types import Trajectory
 from jobs.report import emit_json_line
 
@@ -96,26 +100,35 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
     policy = Policy.from_pretrained(model.path, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
                                     target_modules=model.lora_targets, dtype=getattr(torch, model.dtype),
                                     device=device, seed=train.seed, shard=True,
-                                    gradient_checkpointing=train.gradient_checkpointing)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
+                                    gradient_checkpointing=train.gradient_checkpointing, compile=model.compile)
+    if train.activation_memory_budget is not None:
+        torch._functorch.config.activation_memory_budget = train.activation_memory_budget
+    optimizer = make_optimizer(policy, train)
     shape = policy.transformer.config
     batch = [synthetic_group(config, g, shape.joint_attention_dim, train.seed) for g in range(groups)]
     advantages = [torch.randn(t.group_size, generator=torch.Generator().manual_seed(g)) for g, t in enumerate(batch)]
     # old log-probs at the steps each pass trains, scored up front so that its first ratios are 1, as in training
-    old = [recompute_log_probs(policy, train, batch, Stats(), step=step) for step in range(repeats + 1)]
+    # (old_logprob=trainer: the first pass scores its own)
+    if train.old_logprob == "trainer":
+        old = [[t.log_probs for t in batch]] * (repeats + 1)
+    else:
+        old = [recompute_log_probs(policy, train, batch, Stats(), step=step) for step in range(repeats + 1)]
+    stats = Stats()
 
     def one_pass(step: int) -> float:
         if cuda:
             torch.cuda.synchronize()
         began = time.perf_counter()
         train_pass(policy, optimizer, train, step=step, epoch=0, trajectories=batch, advantages=advantages,
-                   old=old[step], stats=Stats(), mismatch=Stats())
+                   old=old[step], stats=stats, mismatch=Stats())
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - began
 
-    one_pass(0)  # warm-up: allocator, kernels, optimizer state
+    warmup = one_pass(0)  # warm-up: allocator, kernels, optimizer state (and compilation)
+    frames = compile_counts()["frames"]
     seconds = statistics.median(one_pass(step) for step in range(1, repeats + 1))
+    frames = compile_counts()["frames"] - frames
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     if profile:  # one micro-batch of one trained step (forward, reference, backward): the repeating unit
         from torch.profiler import ProfilerActivity
@@ -148,6 +161,11 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
         "kl_beta": train.kl_beta,
         "lora_rank": model.lora_rank, "lora_targets": len(model.lora_targets),
         "micro_batch_size": train.micro_batch_size, "gradient_checkpointing": train.gradient_checkpointing,
+        "compiled": policy.compiled, "compile_mode": str(model.compile.mode) if policy.compiled else None,
+        "activation_memory_budget": train.activation_memory_budget, "old_logprob": str(train.old_logprob),
+        "fused_optimizer": bool(optimizer.defaults.get("fused")),
+        "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
+        "ratio_dev_first_pass_max": stats.result().get("actor/ratio_dev_first_pass_max"),
         "pass_s": round(seconds, 3), "ms_per_image_step": round(1000 * seconds / (images * trained), 1),
         "useful_tflops": round(useful / seconds / 1e12, 1), "mfu": round(mfu(useful, seconds, 1), 4) if cuda else None,
         "gpu_peak_gib": round(peak, 1) if cuda else None,

@@ -51,6 +51,10 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
         if Path(getattr(section, key)).expanduser().is_file():
             setattr(section, key, str(Path(getattr(section, key)).expanduser().resolve()))
     run_dir = Path(config.logging.dir).expanduser().resolve()
+    compiled = config.model.compile
+    if compiled.enabled:  # one inductor cache for the run's processes: restarts and --resume start warm
+        compiled.cache_dir = str(Path(compiled.cache_dir).expanduser().resolve() if compiled.cache_dir
+                                 else run_dir / "compile_cache")
     has_checkpoint = any((run_dir / CHECKPOINTS).glob("checkpoint_step_*"))
     if args.resume and not has_checkpoint:
         raise ConfigError(f"logging.dir={config.logging.dir!r} has no checkpoint to resume: drop --resume, or point "

@@ -125,6 +125,10 @@ class ModelFamily(Protocol):
     def shard_units(self, denoiser: torch.nn.Module) -> tuple[list[torch.nn.Module], bool]:
         """(FSDP2 units, whether the root is sharded too)."""
 
+    def compiled_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The repeated blocks `torch.compile` compiles one by one (app/models/compile.py): the blocks that do
+        the work, each a graph without data-dependent control flow."""
+
     def score_trajectory(self, denoiser: torch.nn.Module, traj: Trajectory, steps: Sequence[int],
                          samples: Sequence[int], *, flow_grpo_compat: bool, uniform: bool) -> list[SDEStepOutput]:
         """Re-score a trajectory's stored steps under `denoiser` as it stands (`app.algo.sampling.score_steps`).

@@ -25,6 +25,7 @@ from app.types import GenerationRequest, Trajectory
 
 class BagelEngine(LocalEngine):
     kind = "bagel"
+    family = FAMILY.name
 
     def load_model(self) -> None:
         from transformers import Qwen2Tokenizer  # BAGEL's (AutoTokenizer would read config.json's model type)

@@ -15,6 +15,7 @@ import os
 import torch
 
 from app.algo.sampling import sample_trajectory
+from app.models.qwen_image import FAMILY
 from app.models.qwen_image import model as qwen_image
 from app.rollout.local_engine import LocalEngine
 from app.rollout.seeding import draw_seed, sample_generators
@@ -23,12 +24,13 @@ from app.types import GenerationRequest, Trajectory
 
 class DiffusersEngine(LocalEngine):
     kind = "diffusers"
+    family = FAMILY.name
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
-                 batched_groups: bool = True):
+                 batched_groups: bool = True, compile=None):
         """batched_groups=False samples a group one image at a time (n forwards of batch 1 per step: the
         comparison the benchmark makes); the images are the same either way."""
-        super().__init__(model_path, dtype=dtype, device=device)
+        super().__init__(model_path, dtype=dtype, device=device, compile=compile)
         self.batched_groups = batched_groups
         self.pipe = None
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from app.models.compile import apply_compile, compile_counts
+from app.models.family import get_family
 from app.models.lora import ADAPTER_NAME, attach_lora, copy_into_lora, transformer_key
 from app.rollout.seeding import draw_seed
 from app.types import GenerationRequest, LoraAdapter, Trajectory
@@ -24,9 +26,14 @@ from app.types import GenerationRequest, LoraAdapter, Trajectory
 
 class LocalEngine:
     kind = "local"
+    family = ""  # the model family (app/models/) a subclass serves
 
-    def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None):
+    def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
+                 compile=None):
+        """compile: a `model.compile` section (None or off: eager)."""
         self.model_path = str(Path(model_path).resolve())
+        self.compile = compile
+        self.compiled = False
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.loaded = False
@@ -40,7 +47,7 @@ class LocalEngine:
     @classmethod
     def from_config(cls, model, rollout) -> LocalEngine:
         """The engine of a run config's model and rollout sections."""
-        return cls(model.path, dtype=model.dtype)
+        return cls(model.path, dtype=model.dtype, compile=model.compile)
 
     # ---- what a subclass provides ----------------------------------------------------------------------------
 
@@ -71,6 +78,7 @@ class LocalEngine:
         with self._lock:
             if not self.loaded:
                 self.load_model()
+                self.compiled = apply_compile(self.trained_module(), get_family(self.family), self.compile) > 0
                 self.loaded = True
 
     async def start(self) -> None:
@@ -84,6 +92,8 @@ class LocalEngine:
             traj = self._generate(request, seed)
             traj.producer.update({"engine": self.kind, "pid": os.getpid(),
                                   "seconds": time.perf_counter() - started, "adapter_swap_s": swap})
+            if self.compiled:  # steady state: this stops growing after the first groups
+                traj.producer["compile_frames"] = compile_counts()["frames"]
             if self.device.type == "cuda":
                 traj.producer["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             return traj

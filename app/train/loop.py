@@ -7,7 +7,8 @@
                  the replicas had; one more than k versions old is regenerated. Then the groups of step + k are
                  requested, to generate while this step trains (the schedule: app/train/schedule.py)
  3. advantages   per prompt group, over the whole step's batch (every worker sees every reward)
- 4. old log-probs  the rollout's own (`train.old_logprob: rollout`) or recomputed; their mismatch is logged
+ 4. old log-probs  the rollout's own (`train.old_logprob: rollout`), recomputed, or the first pass's own
+                 (`trainer`: exact under torch.compile); the rollout↔trainer mismatch is logged
  5. update       per pass (app/train/update.py): a fraction of the timesteps in micro-batches, clipped
                  loss + β·KL, backward; gradient clipping; one optimizer step
  6. publish      the new adapter to the adapter store and every live rollout replica: groups started from now on
@@ -38,13 +39,14 @@ from app.config import RunConfig
 from app.console import quiet_this_process
 from app.flops import group_flops
 from app.metrics import PhaseTimer, Stats, busy_shares, reduce_over_workers, reward_metrics, throughput
+from app.models.compile import compile_counts
 from app.rollout.client import BlockingRolloutClient, RolloutClient, ScoredGroup
 from app.train import checkpoint
 from app.train.evaluation import RunEvaluator, eval_due
 from app.train.policy import Policy
 from app.train.prompts import load_prompts
 from app.train.schedule import OnPolicySchedule, rollout_schedule
-from app.train.update import recompute_log_probs, train_pass
+from app.train.update import make_optimizer, recompute_log_probs, train_pass
 from app.types import LoraAdapter
 
 
@@ -100,7 +102,8 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
                                           clip_max=train.adv_clip_max)
     advantages = [adv_of[traj.group_id] for traj in trajectories]
 
-    # 4. old log-probs: what the rollout recorded, or the current policy's (before any update this step)
+    # 4. old log-probs: what the rollout recorded, or the current policy's (before any update this step; with
+    # old_logprob=trainer the first pass scores them itself, and the rollout's weigh each term as the behaviour's)
     mismatch, old = Stats(), [traj.log_probs for traj in trajectories]  # [n, T] each
     if train.old_logprob == "recompute":
         with timer("recompute"):
@@ -153,6 +156,9 @@ def _worker_metrics(worker: Worker, step: int, groups: list[ScoredGroup], stats:
            "rollout/adapter_swap_s_max": max(s.trajectory.producer.get("adapter_swap_s", 0.0) for s in groups),
            "timing/reward_wait_s_max": max(0.0, max(s.scored_at for s in groups) - max(s.generated_at for s in groups)),
            "memory/rollout_peak_gib_max": max(s.trajectory.producer.get("gpu_peak_gib", 0.0) for s in groups)}
+    if worker.policy.compiled:  # compilations so far (steady state: neither grows from step to step)
+        out["compile/trainer_frames_max"] = float(compile_counts()["frames"])
+        out["compile/rollout_frames_max"] = float(max(s.trajectory.producer.get("compile_frames", 0) for s in groups))
     if torch.cuda.is_available():
         out["memory/trainer_peak_gib_max"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -240,8 +246,10 @@ def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> 
         target_modules=model.lora_targets,
         dtype=getattr(torch, model.dtype), device=device, seed=train.seed,
         adapter_tensors=restored.adapter if restored else None, gradient_checkpointing=train.gradient_checkpointing,
-        family=model.family)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
+        family=model.family, compile=model.compile)
+    if train.activation_memory_budget is not None:  # compile's partitioner keeps this share of activations
+        torch._functorch.config.activation_memory_budget = train.activation_memory_budget
+    optimizer = make_optimizer(policy, train)
     state = checkpoint.TrainerState(seed=train.seed)
     adapter = None
     if restored is not None:

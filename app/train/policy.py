@@ -40,6 +40,7 @@ class Policy:
         self.transformer = transformer  # the trained module of the family (BAGEL: `BagelMoT`)
         self.sharded = sharded
         self.family = family
+        self.compiled = False  # its blocks run through torch.compile (`compile`)
 
     @classmethod
     def from_pretrained(
@@ -56,11 +57,13 @@ class Policy:
         shard: bool | None = None,
         gradient_checkpointing: bool = False,
         family: str = "qwen_image",
+        compile=None,
     ) -> Policy:
         """Load the family's denoiser (`ModelFamily.load_denoiser`), freeze it, add the LoRA (initialised from
         `seed`, or loaded from `adapter_tensors` when resuming), then shard it when a process group is up
         (`shard=None`: auto). `gradient_checkpointing` recomputes each block's activations in the backward pass
-        (real sizes need it)."""
+        (real sizes need it). compile: a `model.compile` section; when enabled, each block the family names is
+        compiled after FSDP2 wraps it."""
         device = torch.device(device)
         transformer = get_family(family).load_denoiser(model_path, dtype=dtype, device=device)
         policy = cls.with_lora(transformer, lora_rank=lora_rank, lora_alpha=lora_alpha,
@@ -70,7 +73,14 @@ class Policy:
         policy.sharded = dist.is_available() and dist.is_initialized() if shard is None else shard
         if policy.sharded:
             _fully_shard(transformer, policy.family, dtype)
+        policy.compile(compile)
         return policy
+
+    def compile(self, settings) -> None:
+        """Compile the family's blocks as a `model.compile` section says (nothing when it is off)."""
+        from app.models.compile import apply_compile
+
+        self.compiled = apply_compile(self.transformer, self.family, settings) > 0 or self.compiled
 
     @classmethod
     def with_lora(cls, transformer, *, lora_rank: int, lora_alpha: float, target_modules: Sequence[str], seed: int = 0,

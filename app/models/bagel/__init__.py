@@ -44,6 +44,9 @@ class Bagel(FamilyBase):
         # it stays whole on every rank, and the LoRA (all inside the layers) is sharded with them
         return list(denoiser.language_model.model.layers), False
 
+    def compiled_blocks(self, denoiser):
+        return list(denoiser.language_model.model.layers)
+
     def score_trajectory(self, denoiser, traj, steps, samples, *, flow_grpo_compat=False, uniform=False):
         from app.models.bagel.context import score_trajectory
 

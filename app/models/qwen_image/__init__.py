@@ -33,6 +33,9 @@ class QwenImage(FamilyBase):
     def shard_units(self, denoiser):
         return list(denoiser.transformer_blocks), True
 
+    def compiled_blocks(self, denoiser):
+        return list(denoiser.transformer_blocks)
+
     def score_trajectory(self, denoiser, traj, steps, samples, *, flow_grpo_compat=False, uniform=False):
         from app.models.qwen_image.model import score_trajectory
 

@@ -49,7 +49,10 @@ class VllmOmniEngine:
     kind = "vllm_omni"
 
     def __init__(self, model_path: str | os.PathLike, *, family: str = "qwen_image", dtype: str = "float32",
-                 batched_groups: bool = True, max_num_seqs: int = 1, engine_kwargs: dict | None = None):
+                 batched_groups: bool = True, max_num_seqs: int = 1, engine_kwargs: dict | None = None,
+                 compile=None):
+        """compile: a `model.compile` section. On CUDA vllm-omni compiles the transformer's blocks itself unless
+        told `enforce_eager`, which follows the section; its CPU platform runs eager either way."""
         self.model_path = str(Path(model_path).resolve())
         self.family = family
         self.face = get_family(family)  # looked up once: every request asks it for its guidance fields
@@ -58,6 +61,10 @@ class VllmOmniEngine:
         self.batched_groups = batched_groups
         self.max_num_seqs = max_num_seqs
         self.engine_kwargs = dict(engine_kwargs or {})
+        enabled = compile is not None and compile.enabled
+        if torch.cuda.is_available():
+            self.engine_kwargs.setdefault("enforce_eager", not enabled)
+        self.compiled = enabled and torch.cuda.is_available()
         self._omni = None
         self._start_lock = asyncio.Lock()
         self._lora_version = 0
@@ -70,7 +77,7 @@ class VllmOmniEngine:
     def from_config(cls, model, rollout) -> VllmOmniEngine:
         """The engine of a run config's model and rollout sections."""
         return cls(model.path, family=model.family, dtype=model.dtype, batched_groups=rollout.batched_groups,
-                   max_num_seqs=rollout.max_num_seqs)
+                   max_num_seqs=rollout.max_num_seqs, compile=model.compile)
 
     @property
     def lora_version(self) -> int:
