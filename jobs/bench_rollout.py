@@ -42,7 +42,7 @@ async def _timed(label: str, run, requests, repeats: int) -> float:
     return statistics.median(times)
 
 
-async def bench(config, groups: int, repeats: int) -> dict:
+async def bench(config, groups: int, repeats: int, batched_only: bool = False) -> dict:
     family = get_family(config.model.family)
     if config.model.build_tiny:
         family.build_tiny(config.model.path, seed=config.model.tiny_seed)
@@ -56,14 +56,16 @@ async def bench(config, groups: int, repeats: int) -> dict:
     for r in requests[1:]:  # every prompt once: its text length (a new shape for a compiled block)
         await engine.generate(r)
     warmup = time.perf_counter() - began
-    await engine.generate_plain(requests[0])
     frames = compile_counts()["frames"]
     batched = await _timed("batched", engine.generate, requests, repeats)
     frames = compile_counts()["frames"] - frames
-    plain = await _timed("plain", engine.generate_plain, requests, repeats)
-    engine.batched_groups = False
-    await engine.generate(requests[0])
-    per_sample = await _timed("per-sample", engine.generate, requests, repeats)
+    plain = per_sample = None
+    if not batched_only:
+        await engine.generate_plain(requests[0])
+        plain = await _timed("plain", engine.generate_plain, requests, repeats)
+        engine.batched_groups = False
+        await engine.generate(requests[0])
+        per_sample = await _timed("per-sample", engine.generate, requests, repeats)
     await engine.close()
     # useful FLOPs of the batched mode: every denoising step's forward, both CFG branches
     denoiser = family.denoiser_config(config.model.path)
@@ -76,10 +78,11 @@ async def bench(config, groups: int, repeats: int) -> dict:
         "compile_mode": str(config.model.compile.mode) if engine.compiled else None,
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
         "batched_images_per_s": round(images / batched, 2),
-        "per_sample_images_per_s": round(images / per_sample, 2),
-        "batched_over_per_sample": round(per_sample / batched, 2),
-        "plain_images_per_s": round(images / plain, 2),
-        "trajectory_overhead_pct": round(100 * (batched - plain) / plain, 1),
+        **({} if batched_only else {
+            "per_sample_images_per_s": round(images / per_sample, 2),
+            "batched_over_per_sample": round(per_sample / batched, 2),
+            "plain_images_per_s": round(images / plain, 2),
+            "trajectory_overhead_pct": round(100 * (batched - plain) / plain, 1)}),
         "batched_tflops": round(flops / batched / 1e12, 1),
         "batched_mfu": round(mfu(flops, batched, 1), 4) if torch.cuda.is_available() else None,
     }
@@ -90,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--groups", type=int, default=8, help="prompt groups per timed pass")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per mode (median reported)")
+    parser.add_argument("--batched-only", action="store_true",
+                        help="time the batched mode only (no stock-pipeline or per-sample comparison)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
     config = load(args.config, args.overrides)
-    result = asyncio.run(bench(config, args.groups, args.repeats))
+    result = asyncio.run(bench(config, args.groups, args.repeats, args.batched_only))
     emit_json_line(result)
     return 0
 

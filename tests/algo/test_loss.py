@@ -75,3 +75,38 @@ def test_shape_errors_are_explicit():
         flow_grpo_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), clip_range=0.1)
     with pytest.raises(ValueError, match="std > 0"):
         transition_kl(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 1))
+
+
+def test_behaviour_weight_by_hand():
+    """Decoupled: ratio against the proximal policy (old = lp → ratio 1), each term weighed by
+    w = min(exp(old − behaviour), C). behaviour = old − log 1.5 → w = 1.5; behaviour = old − log 3 → w = 3,
+    truncated to C = 2. adv [1, 1] → loss = −(1.5 + 2)/2 = −1.75; the gradient is −w/2 per term."""
+    lp = torch.tensor([-0.4, 0.3], requires_grad=True)
+    old = lp.detach().clone()
+    behaviour = old - torch.tensor([math.log(1.5), math.log(3.0)])
+    loss, m = flow_grpo_loss(lp, old, torch.tensor([1.0, 1.0]), clip_range=0.1, behaviour_log_prob=behaviour,
+                             behaviour_weight_max=2.0)
+    assert loss.item() == pytest.approx(-1.75)
+    assert m["actor/ratio_dev_max"] == 0.0  # exactly: the ratio's denominator is the forward's own log-prob
+    assert m["actor/behaviour_weight_max"] == pytest.approx(2.0)
+    assert m["actor/behaviour_weight_truncated"] == 0.5
+    assert m["actor/behaviour_ratio_dev_max"] == pytest.approx(2.0)  # |3 − 1|, before truncation
+    loss.backward()
+    assert lp.grad.tolist() == pytest.approx([-0.75, -1.0])
+
+
+def test_behaviour_weighted_loss_matches_a_float64_reference():
+    g = torch.Generator().manual_seed(2)
+    lp, old = torch.randn(8, 3, generator=g) * 0.1, torch.randn(8, 3, generator=g) * 0.1
+    behaviour = old + torch.randn(8, 3, generator=g)
+    adv = torch.randn(8, generator=g)
+    loss, _ = flow_grpo_loss(lp, old, adv, clip_range=0.05, behaviour_log_prob=behaviour, behaviour_weight_max=1.5)
+    ratio = (lp.double() - old.double()).exp()
+    w = (old.double() - behaviour.double()).exp().clamp(max=1.5)
+    a = adv.double()[:, None]
+    expected = (w * torch.maximum(-a * ratio, -a * ratio.clamp(0.95, 1.05))).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    # a behaviour equal to old weighs every term by 1: the plain loss
+    plain, _ = flow_grpo_loss(lp, old, adv, clip_range=0.05)
+    same, _ = flow_grpo_loss(lp, old, adv, clip_range=0.05, behaviour_log_prob=old.clone())
+    assert torch.equal(plain, same)

@@ -1,0 +1,145 @@
+"""The compiled path on the tiny model (CPU, inductor): a compiled rollout engine samples groups, a compiled
+policy trains on them with `train.old_logprob=trainer`, and
+
+- the first pass's ratio is exactly 1 and the update equals the eager one's (to fp32 rounding), its log-probs a
+  float64 reference's;
+- nothing compiles again once the first groups have been seen: other prompts (text lengths), SDE windows, CFG,
+  adapter versions (dynamo's counters);
+- a new process pointed at the same cache folder compiles from the cache (a restarted worker, a replacement
+  replica, a resumed run).
+
+On a GPU, inductor's graph with gradients differs from its graph without them in the last bits (bf16); on the CPU
+both agree here, so the exactness that matters there is checked on the GPU (tests/train/test_compiled_gpu.py).
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from app.config import CompileConfig, RolloutConfig, TrainConfig
+from app.metrics import Stats
+from app.models.compile import compile_counts
+from app.models.lora import random_lora
+from app.rollout.diffusers_engine import DiffusersEngine
+from app.train.policy import Policy
+from app.train.update import make_optimizer, train_pass
+
+pytestmark = pytest.mark.slow
+
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+ROLLOUT = RolloutConfig(group_size=4, height=64, width=64, num_inference_steps=4, guidance_scale=4.0)
+TRAIN = TrainConfig(old_logprob="trainer", micro_batch_size=4, kl_beta=0.04, timestep_fraction=1.0, clip_range=1e-4,
+                    learning_rate=1e-3)
+FIRST = 'a sign that says "RL"'
+
+
+def _adapter(model_dir, version: int, seed: int):
+    from diffusers import QwenImageTransformer2DModel
+
+    return random_lora(QwenImageTransformer2DModel.from_pretrained(model_dir, subfolder="transformer"),
+                       version=version, rank=4, target_modules=TARGETS, seed=seed, scale=0.5)
+
+
+def _policy(model_dir, adapter, compile=None, dtype=torch.float32) -> Policy:
+    return Policy.from_pretrained(model_dir, lora_rank=4, lora_alpha=4, target_modules=TARGETS, shard=False,
+                                  adapter_tensors=adapter.tensors, compile=compile, dtype=dtype)
+
+
+def _pass(policy, traj, train=TRAIN, step=0):
+    """One optimizer step on one group: (first-pass stats, mismatch stats, LoRA gradients)."""
+    stats, mismatch = Stats(), Stats()
+    optimizer = make_optimizer(policy, train)
+    optimizer.step = lambda: None  # keep the weights: later passes score the same policy
+    train_pass(policy, optimizer, train, step=step, epoch=0, trajectories=[traj],
+               advantages=[torch.tensor([1.0, -0.5, 0.25, -0.75])], old=[traj.log_probs], stats=stats,
+               mismatch=mismatch, policy_version=traj.lora_version)
+    grads = [p.grad.detach().clone() for p in policy.parameters()]
+    return stats.result(), mismatch.result(), grads
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model_dir, tmp_path_factory, aio):
+    """A compiled engine serving adapter 1 and a compiled policy holding it; the cache folder they share."""
+    settings = CompileConfig(enabled=True, cache_dir=str(tmp_path_factory.mktemp("compile_cache")))
+    adapter = _adapter(tiny_model_dir, 1, seed=11)
+    engine = DiffusersEngine(tiny_model_dir, compile=settings)
+    aio(engine.start())
+    aio(engine.load_lora(adapter))
+    yield engine, _policy(tiny_model_dir, adapter, compile=settings), settings, adapter
+    aio(engine.close())
+
+
+def test_compiled_first_pass_is_exact_and_the_update_is_the_eager_one(compiled, tiny_model_dir, aio):
+    engine, policy, _, adapter = compiled
+    assert engine.compiled and policy.compiled
+    traj = aio(engine.generate(ROLLOUT.request(FIRST, seed=5, group_id=0)))
+    assert traj.lora_version == 1
+    stats, mismatch, grads = _pass(policy, traj)
+    assert stats["actor/ratio_dev_first_pass_max"] == 0.0  # exactly
+    assert stats["actor/behaviour_weight_truncated"] == 0.0
+    assert mismatch["rollout/logprob_mismatch_max"] < 1e-4  # logged: the rollout's graph is not the trainer's
+
+    # the same step eager, old log-probs from the rollout: the same update to fp32 rounding
+    eager = _policy(tiny_model_dir, adapter)
+    eager_stats, _, eager_grads = _pass(eager, traj, dataclasses.replace(TRAIN, old_logprob="rollout"))
+    assert eager_stats["actor/ratio_dev_first_pass_max"] < 1e-4
+    for g, e in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-6)
+
+    # the compiled trainer's log-probs against an eager float64 transformer (the SDE math is fp32 in both)
+    reference = _policy(tiny_model_dir, adapter, dtype=torch.float64)
+    with torch.no_grad():
+        ours = torch.stack([o.log_prob for o in policy.score(traj, range(4), range(4))], dim=1)
+        exact = torch.stack([o.log_prob for o in reference.score(traj, range(4), range(4))], dim=1)
+    torch.testing.assert_close(ours.double(), exact.double(), rtol=1e-4, atol=1e-5)
+
+
+def test_nothing_compiles_again_after_the_first_groups(compiled, tiny_model_dir, aio):
+    engine, policy, _, _ = compiled
+    # warm-up, as a run's first step: two prompts of different lengths (the second makes the text dimension
+    # dynamic), the policy trained on both
+    for seed, prompt in enumerate([FIRST, 'a poster with the words "FLOW GRPO" in large letters']):
+        _pass(policy, aio(engine.generate(ROLLOUT.request(prompt, seed=seed, group_id=seed))))
+    before = compile_counts()
+    # later steps: other prompts and lengths, SDE windows in other places, new adapter versions, other steps
+    for version, (prompt, window) in enumerate([('a label reading "OK"', (0, 2)),
+                                                ('a banner that says "REINFORCEMENT LEARNING"', (2, 4)),
+                                                ("a red cube", None)], start=2):
+        aio(engine.load_lora(_adapter(tiny_model_dir, version, seed=version)))
+        traj = aio(engine.generate(ROLLOUT.request(prompt, seed=version, group_id=version, sde_window=window)))
+        assert traj.lora_version == version
+        stats, _, _ = _pass(policy, traj, step=version)
+        assert stats["actor/ratio_dev_first_pass_max"] == 0.0
+    assert compile_counts() == before
+
+
+def test_a_new_process_compiles_from_the_shared_cache(compiled, tiny_model_dir):
+    """The first group and pass again, in a fresh interpreter with the same cache folder: every inductor graph
+    comes from the cache (hits, no misses)."""
+    _, _, settings, _ = compiled
+    script = f"""
+import json, torch
+torch.set_num_threads(1)  # as the test process (conftest): inductor's CPU kernels depend on the thread count
+from torch._dynamo.utils import counters
+from app.config import CompileConfig
+from tests.train.test_compiled import ROLLOUT, FIRST, _adapter, _pass, _policy
+from app.rollout.diffusers_engine import DiffusersEngine
+settings = CompileConfig(enabled=True, cache_dir={settings.cache_dir!r})
+adapter = _adapter({str(tiny_model_dir)!r}, 1, seed=11)
+engine = DiffusersEngine({str(tiny_model_dir)!r}, compile=settings)
+engine.load()
+engine._load_lora(adapter)
+traj = engine.sample(ROLLOUT.request(FIRST, seed=5, group_id=0))
+stats, _, _ = _pass(_policy({str(tiny_model_dir)!r}, adapter, compile=settings), traj)
+print(json.dumps({{"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
+                  "ratio": stats["actor/ratio_dev_first_pass_max"]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["hit"] >= 3 and result["miss"] == 0, result  # engine forward; policy forward, backward, reference
+    assert result["ratio"] == 0.0
