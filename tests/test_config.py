@@ -245,7 +245,49 @@ def test_bagel_configs_load_with_the_family_s_engine_and_lora_targets():
     with pytest.raises(ConfigError, match="rollout.cfg_interval"):
         load(CONFIGS / "tiny_bagel_cpu.yaml", ["rollout.cfg_interval=[0.5,0.2]"])
     # vllm-omni runs BAGEL in bf16: its log-probs are recomputed, and a config must say so
-    with pytest.raises(ConfigError, match="train.old_logprob=recompute"):
+    with pytest.raises(ConfigError, match="train.old_logprob=trainer or recompute"):
         load(CONFIGS / "tiny_bagel_cpu.yaml", ["rollout.engine=vllm_omni"])
     served = load(CONFIGS / "tiny_bagel_cpu.yaml", ["rollout.engine=vllm_omni", "train.old_logprob=recompute"])
     assert served.rollout.engine == "vllm_omni"
+
+
+def test_compile_needs_old_log_probs_from_the_trainer_and_its_settings_are_checked():
+    tiny = CONFIGS / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match="model.compile.enabled.*train.old_logprob=trainer"):
+        load(tiny, ["model.compile.enabled=true"])
+    compiled = load(tiny, ["model.compile.enabled=true", "train.old_logprob=trainer", "train.max_staleness=1",
+                           "model.compile.mode=max-autotune-no-cudagraphs"])
+    assert compiled.model.compile.mode == "max-autotune-no-cudagraphs" and compiled.train.max_staleness == 1
+    assert load(tiny, ["model.compile.enabled=true", "train.old_logprob=recompute"]).model.compile.enabled
+    with pytest.raises(ConfigError, match="model.compile.mode"):
+        load(tiny, ["model.compile.mode=fastest"])
+    with pytest.raises(ConfigError, match="num_inner_epochs=2.*recompute"):
+        load(tiny, ["train.old_logprob=trainer", "train.num_inner_epochs=2"])
+    with pytest.raises(ConfigError, match="max_staleness=1.*rollout or trainer"):
+        load(tiny, ["train.old_logprob=recompute", "train.max_staleness=1"])
+    with pytest.raises(ConfigError, match="activation_memory_budget=0.5.*model.compile.enabled"):
+        load(tiny, ["train.activation_memory_budget=0.5"])
+    with pytest.raises(ConfigError, match="activation_memory_budget=0.5.*gradient_checkpointing off"):
+        load(tiny, ["model.compile.enabled=true", "train.old_logprob=trainer", "train.activation_memory_budget=0.5",
+                    "train.gradient_checkpointing=true"])
+    with pytest.raises(ConfigError, match="behaviour_weight_max"):
+        load(tiny, ["train.behaviour_weight_max=0.5"])
+    gpu = load(CONFIGS / "qwen_image_ocr_2gpu.yaml", ["model.path=/data/qwen-image"])
+    assert gpu.model.compile.enabled and gpu.train.old_logprob == "trainer"
+
+
+def test_a_compiled_run_caches_its_graphs_in_its_folder(tmp_path):
+    from jobs.train import checked_config, parse_args
+
+    model = tmp_path / "model"
+    from app.models.qwen_image.tiny import build_tiny_qwen_image
+
+    build_tiny_qwen_image(model, seed=0)
+    args = parse_args(["--config", str(CONFIGS / "tiny_cpu.yaml"), f"model.path={model}", "model.compile.enabled=true",
+                       "train.old_logprob=trainer", f"logging.dir={tmp_path / 'run'}"])
+    config, run_dir = checked_config(args)
+    assert config.model.compile.cache_dir == str(run_dir / "compile_cache")
+    args = parse_args(["--config", str(CONFIGS / "tiny_cpu.yaml"), f"model.path={model}", "model.compile.enabled=true",
+                       "train.old_logprob=trainer", f"logging.dir={tmp_path / 'run2'}",
+                       f"model.compile.cache_dir={tmp_path / 'shared'}"])
+    assert checked_config(args)[0].model.compile.cache_dir == str(tmp_path / "shared")

@@ -8,7 +8,8 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 MODEL=/tmp/qwen-image-full
 CACHE=/tmp/compile_cache   # one inductor cache for every stage: later stages start warm where graphs repeat
 CFG=configs/qwen_image_ocr_2gpu.yaml
-COMPILED=(model.compile.enabled=true model.compile.cache_dir=$CACHE train.old_logprob=trainer)
+COMPILED=(model.compile.cache_dir=$CACHE)   # the GPU config compiles, old log-probs from the trainer
+EAGER=(model.compile.enabled=false train.old_logprob=rollout)   # as before the compiled path
 FAST=(rollout.sde_window.size=2 "rollout.sde_window.range=[0,5]" train.timestep_fraction=1 train.max_staleness=1)
 ONE_GPU=(rollout.replica_num_gpus=0.5 cluster.worker_num_gpus=0.5 train.groups_per_step=2)
 JPEG=("reward.weights={jpeg_compressibility: 1.0}" train.seed=0 train.checkpoint_every=0 logging.image_every=0)
@@ -22,19 +23,19 @@ case "$1" in
       2>&1 | grep -E "compiled bf16|passed|failed|Error" | tee "$OUT/gpu_tests.txt" ;;
   train_step)  # the trainer's update, eager then compiled, one process each (config recipe: 2 of 10 steps trained)
     for mode in eager compiled; do
-      extra=(); [ $mode = compiled ] && extra=("${COMPILED[@]}")
+      extra=("${EAGER[@]}"); [ $mode = compiled ] && extra=("${COMPILED[@]}")
       python -m jobs.bench_train_step --config $CFG --groups 2 --repeats 3 model.path=$MODEL "${extra[@]}" \
         2>/dev/null | tail -1 | tee -a "$OUT/bench_train_step.jsonl"
     done ;;
   rollout)  # a group of 8 at 512², CFG 4, 10 steps, eager then compiled
     for mode in eager compiled; do
-      extra=(); [ $mode = compiled ] && extra=("${COMPILED[@]}")
+      extra=("${EAGER[@]}"); [ $mode = compiled ] && extra=("${COMPILED[@]}")
       python -m jobs.bench_rollout --config $CFG --groups 2 --repeats 3 --batched-only model.path=$MODEL "${extra[@]}" \
         2>/dev/null | tail -1 | tee -a "$OUT/bench_rollout.jsonl"
     done ;;
   job_*)  # jobs.train, the fast recipe on one GPU: job_compiled, job_compiled_lr0, job_eager [steps] [lr]
     name=${1#job_}; steps=${2:-16}; lr=${3:-1e-3}
-    extra=("${COMPILED[@]}"); [ "$name" = eager ] && extra=(train.old_logprob=rollout)
+    extra=("${COMPILED[@]}"); [ "$name" = eager ] && extra=("${EAGER[@]}")
     [ "$name" = compiled_lr0 ] && lr=0
     timeout ${JOB_TIMEOUT:-540} python -m jobs.train --config $CFG model.path=$MODEL "${FAST[@]}" "${ONE_GPU[@]}" \
       "${JPEG[@]}" "${extra[@]}" \
