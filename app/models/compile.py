@@ -4,7 +4,12 @@ its own, in the trainer and in the in-process rollout engines.
 - The block's `forward` is compiled, not its `__call__`: module hooks stay eager, so FSDP2's all-gather and
   reshard run around the compiled region, and diffusers' gradient checkpointing wraps it as it wraps an eager one.
 - Identical blocks share one compiled graph (dynamo caches per code object and treats parameters as inputs), so a
-  60-block transformer compiles each variant once: with and without gradients, adapter on and off.
+  60-block transformer compiles each variant once: with and without gradients, adapter on and off, a first block
+  whose input needs no gradient and the later ones whose input does.
+- Shapes are dynamic from the start: prompts have different lengths, and a graph specialised to the first length
+  would be compiled again for the second. The variants above are more than dynamo's default limit of 8 per
+  function; past it a call runs eager, and a checkpointed block whose forward ran compiled but whose recompute ran
+  eager (or the reverse) saves tensors of another layout: the limit is raised.
 - Inductor's caches (FX graphs, autograd graphs, kernels) live in one folder that every process of a run shares
   (`use_cache_dir`), so that a restarted worker, a replacement replica or a resumed run start warm.
 
@@ -35,16 +40,21 @@ def use_cache_dir(cache_dir: str | os.PathLike | None) -> dict[str, str]:
     return env
 
 
+RECOMPILE_LIMIT = 64  # compiled variants of one block's forward (dynamo's default: 8)
+
+
 def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: str | None = None) -> int:
     """Compile each block's forward in place (lazily: the first call compiles); returns how many blocks."""
     import torch
+    import torch._dynamo
 
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     mode = None if mode in (None, "default") else str(mode)
     count = 0
     for block in blocks:
         if getattr(block, "_flowgrpo_compiled", False):
             continue
-        block.forward = torch.compile(block.forward, backend=str(backend), mode=mode)
+        block.forward = torch.compile(block.forward, backend=str(backend), mode=mode, dynamic=True)
         block._flowgrpo_compiled = True
         count += 1
     return count
