@@ -6,6 +6,11 @@ its own, in the trainer and in the in-process rollout engines.
 - Identical blocks share one compiled graph (dynamo caches per code object and treats parameters as inputs), so a
   60-block transformer compiles each variant once: with and without gradients, adapter on and off, a first block
   whose input needs no gradient and the later ones whose input does.
+- Gradient checkpointing of a compiled block happens inside the compiled region (`checkpoint=True`): the block's
+  forward is wrapped in `torch.utils.checkpoint` and compiled with it, so compile's partitioner recomputes the
+  block in the backward graph it built. Checkpointing around a compiled block instead (diffusers' own) dispatches
+  the recomputation through dynamo a second time, and on a GPU under FSDP2 it was seen to pick a graph that saves
+  other tensors than the forward did (torch.utils.checkpoint's CheckpointError).
 - Shapes are dynamic from the start: prompts have different lengths, and a graph specialised to the first length
   would be compiled again for the second. The variants above are more than dynamo's default limit of 8 per
   function; past it a call runs eager, and a checkpointed block whose forward ran compiled but whose recompute ran
@@ -43,18 +48,40 @@ def use_cache_dir(cache_dir: str | os.PathLike | None) -> dict[str, str]:
 RECOMPILE_LIMIT = 64  # compiled variants of one block's forward (dynamo's default: 8)
 
 
-def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: str | None = None) -> int:
-    """Compile each block's forward in place (lazily: the first call compiles); returns how many blocks."""
+def _forward(block, *args, **kwargs):
+    """A block's own forward (its class's: an FSDP2-wrapped block's hooks stay outside)."""
+    return type(block).forward(block, *args, **kwargs)
+
+
+def _checkpointed_forward(block, *args, **kwargs):
+    """A block's forward, recomputed in the backward pass when gradients are on."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    if torch.is_grad_enabled():
+        return checkpoint(_forward, block, *args, use_reentrant=False, **kwargs)
+    return _forward(block, *args, **kwargs)
+
+
+def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: str | None = None,
+                   checkpoint: bool = False) -> int:
+    """Compile each block's forward in place (lazily: the first call compiles), with gradient checkpointing inside
+    the compiled region when `checkpoint`; returns how many blocks. Every block runs one compiled function (the
+    block is its argument), so identical blocks share its graphs."""
+    import types
+
     import torch
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     mode = None if mode in (None, "default") else str(mode)
+    compiled = torch.compile(_checkpointed_forward if checkpoint else _forward, backend=str(backend), mode=mode,
+                             dynamic=True)
     count = 0
     for block in blocks:
         if getattr(block, "_flowgrpo_compiled", False):
             continue
-        block.forward = torch.compile(block.forward, backend=str(backend), mode=mode, dynamic=True)
+        block.forward = types.MethodType(compiled, block)
         block._flowgrpo_compiled = True
         count += 1
     return count
@@ -62,11 +89,16 @@ def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: st
 
 def apply_compile(module: Any, family: Any, settings: Any) -> int:
     """Compile `module`'s blocks as the family names them, with a `model.compile` section's settings (nothing
-    when it is off); returns how many blocks were compiled."""
+    when it is off); returns how many blocks were compiled. A module with gradient checkpointing on (diffusers'
+    `enable_gradient_checkpointing`) has it moved inside the compiled blocks."""
     if settings is None or not settings.enabled:
         return 0
     use_cache_dir(settings.cache_dir)
-    return compile_blocks(family.compiled_blocks(module), backend=settings.backend, mode=str(settings.mode))
+    checkpoint = bool(getattr(module, "gradient_checkpointing", False))
+    if checkpoint:
+        module.gradient_checkpointing = False  # the compiled blocks checkpoint themselves
+    return compile_blocks(family.compiled_blocks(module), backend=settings.backend, mode=str(settings.mode),
+                          checkpoint=checkpoint)
 
 
 def compile_counts() -> dict[str, int]:

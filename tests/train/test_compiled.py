@@ -45,8 +45,10 @@ def _adapter(model_dir, version: int, seed: int):
 
 
 def _policy(model_dir, adapter, compile=None, dtype=torch.float32) -> Policy:
+    """Compiled: with gradient checkpointing (moved inside the compiled blocks), as the GPU recipes train."""
     return Policy.from_pretrained(model_dir, lora_rank=4, lora_alpha=4, target_modules=TARGETS, shard=False,
-                                  adapter_tensors=adapter.tensors, compile=compile, dtype=dtype)
+                                  adapter_tensors=adapter.tensors, compile=compile, dtype=dtype,
+                                  gradient_checkpointing=compile is not None)
 
 
 def _pass(policy, traj, train=TRAIN, step=0):
@@ -83,7 +85,7 @@ def test_compiled_first_pass_is_exact_and_the_update_is_the_eager_one(compiled, 
     assert stats["actor/behaviour_weight_truncated"] == 0.0
     assert mismatch["rollout/logprob_mismatch_max"] < 1e-4  # logged: the rollout's graph is not the trainer's
 
-    # the same step eager, old log-probs from the rollout: the same update to fp32 rounding
+    # the same step eager (no checkpointing), old log-probs from the rollout: the same update to fp32 rounding
     eager = _policy(tiny_model_dir, adapter)
     eager_stats, _, eager_grads = _pass(eager, traj, dataclasses.replace(TRAIN, old_logprob="rollout"))
     assert eager_stats["actor/ratio_dev_first_pass_max"] < 1e-4
