@@ -100,9 +100,8 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
     policy = Policy.from_pretrained(model.path, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
                                     target_modules=model.lora_targets, dtype=getattr(torch, model.dtype),
                                     device=device, seed=train.seed, shard=True,
-                                    gradient_checkpointing=train.gradient_checkpointing, compile=model.compile)
-    if train.activation_memory_budget is not None:
-        torch._functorch.config.activation_memory_budget = train.activation_memory_budget
+                                    gradient_checkpointing=train.gradient_checkpointing, compile=model.compile,
+                                    activation_memory_budget=train.activation_memory_budget)
     optimizer = make_optimizer(policy, train)
     shape = policy.transformer.config
     batch = [synthetic_group(config, g, shape.joint_attention_dim, train.seed) for g in range(groups)]

@@ -2,7 +2,7 @@
 its own, in the trainer and in the in-process rollout engines.
 
 - The block's `forward` is compiled, not its `__call__`: module hooks stay eager, so FSDP2's all-gather and
-  reshard run around the compiled region, and diffusers' gradient checkpointing wraps it as it wraps an eager one.
+  reshard run around the compiled region.
 - Identical blocks share one compiled graph (dynamo caches per code object and treats parameters as inputs), so a
   60-block transformer compiles each variant once: with and without gradients, adapter on and off, a first block
   whose input needs no gradient and the later ones whose input does.
@@ -29,20 +29,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
-
-def use_cache_dir(cache_dir: str | os.PathLike | None) -> dict[str, str]:
+def use_cache_dir(cache_dir: str | os.PathLike | None) -> None:
     """Point this process's inductor (and Triton) caches at `cache_dir` (None: torch's default) and turn on the
-    persistent FX-graph and autograd caches. Returns the environment variables to give the run's other processes
-    (Ray runtime_env) for the same effect; call before the first compilation."""
+    persistent FX-graph and autograd caches. Every process of a run calls it with the run's `model.compile`
+    section (trainer workers, rollout replicas), before its first compilation."""
     env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
     if cache_dir is not None:
         root = Path(cache_dir).expanduser().resolve()
         root.mkdir(parents=True, exist_ok=True)
-        env.update({CACHE_ENV: str(root), "TRITON_CACHE_DIR": str(root / "triton")})
+        env.update({"TORCHINDUCTOR_CACHE_DIR": str(root), "TRITON_CACHE_DIR": str(root / "triton")})
     os.environ.update(env)
-    return env
 
 
 RECOMPILE_LIMIT = 64  # compiled variants of one block's forward (dynamo's default: 8)

@@ -58,12 +58,14 @@ class Policy:
         gradient_checkpointing: bool = False,
         family: str = "qwen_image",
         compile=None,
+        activation_memory_budget: float | None = None,
     ) -> Policy:
         """Load the family's denoiser (`ModelFamily.load_denoiser`), freeze it, add the LoRA (initialised from
         `seed`, or loaded from `adapter_tensors` when resuming), then shard it when a process group is up
         (`shard=None`: auto). `gradient_checkpointing` recomputes each block's activations in the backward pass
         (real sizes need it). compile: a `model.compile` section; when enabled, each block the family names is
-        compiled after FSDP2 wraps it."""
+        compiled after FSDP2 wraps it. activation_memory_budget: the share of activations compile's partitioner
+        keeps for the backward (`train.activation_memory_budget`; None: torch's default)."""
         device = torch.device(device)
         transformer = get_family(family).load_denoiser(model_path, dtype=dtype, device=device)
         policy = cls.with_lora(transformer, lora_rank=lora_rank, lora_alpha=lora_alpha,
@@ -74,6 +76,8 @@ class Policy:
         if policy.sharded:
             _fully_shard(transformer, policy.family, dtype)
         policy.compile(compile)
+        if activation_memory_budget is not None:  # read when the blocks compile, at their first call
+            torch._functorch.config.activation_memory_budget = activation_memory_budget
         return policy
 
     def compile(self, settings) -> None:
