@@ -6,8 +6,9 @@ same steps again (latents visited, schedule, log-probs, the prompt embeddings ac
 recomputed by guessing. `LoraAdapter` is a LoRA of the transformer in peft/diffusers naming, in memory.
 
 Every model family shares the records (`Trajectory.family` names it). A family conditions either on text-encoder
-states (`prompt_embeds`: Qwen-Image) or on a context its own model builds from token ids and, for an edit, the
-input image (`conditioning`: BAGEL), which the trainer rebuilds under the current LoRA.
+states (`prompt_embeds`: Qwen-Image; SD3 adds its pooled embedding in `conditioning`) or on a context its own model
+builds from token ids and, for an edit, the input image (`conditioning`: BAGEL), which the trainer rebuilds under
+the current LoRA.
 """
 
 from __future__ import annotations
@@ -246,10 +247,10 @@ class Trajectory:
                 ((self.negative_prompt_embeds is None) == (self.guidance_scale <= 1),
                  "negative_prompt_embeds must be present exactly when guidance_scale > 1"),
             ]
-        if self.conditioning:
+        if self.conditioning and self.prompt_embeds is None:  # the denoiser builds its context from token ids
             ids = self.conditioning.get("prompt_ids")
             checks.append((ids is not None and ids.ndim == 1 and not ids.is_floating_point(),
-                           "conditioning must hold prompt_ids [S] (token ids)"))
+                           "conditioning without prompt_embeds must hold prompt_ids [S] (token ids)"))
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"inconsistent Trajectory: {message}")

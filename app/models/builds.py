@@ -21,13 +21,13 @@ _QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|
                 r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                    "<|image_pad|>", "<|video_pad|>"]
-_CORPUS = [
-    QWEN_IMAGE_TEMPLATE.format(p) for p in (
-        'a sign that says "OPEN 24H"', 'a red cube on a blue table', 'a photo of a cat', 'text reading "HELLO"',
-        'a neon sign with the words "RAY"', 'a poster that says "FLOW GRPO 2026"', 'sunset over the mountains',
-        'a green tree next to a yellow car', 'the quick brown fox jumps over the lazy dog 0123456789',
-    )
-] * 8
+# prompts every tiny tokenizer is trained on (Qwen2's inside Qwen-Image's template; SD3's CLIP and T5 as they are)
+PROMPT_CORPUS = (
+    'a sign that says "OPEN 24H"', 'a red cube on a blue table', 'a photo of a cat', 'text reading "HELLO"',
+    'a neon sign with the words "RAY"', 'a poster that says "FLOW GRPO 2026"', 'sunset over the mountains',
+    'a green tree next to a yellow car', 'the quick brown fox jumps over the lazy dog 0123456789',
+)
+_CORPUS = [QWEN_IMAGE_TEMPLATE.format(p) for p in PROMPT_CORPUS] * 8
 BUILD_INFO_FILE = "tiny_build.json"
 
 def train_tokenizer(vocab_size: int = 1024):

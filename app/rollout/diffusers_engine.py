@@ -97,7 +97,8 @@ class DiffusersEngine(LocalEngine):
             latents=torch.cat([t.latents for t in parts]), log_probs=torch.cat([t.log_probs for t in parts]),
             timesteps=first.timesteps, sigmas=first.sigmas, prompt_embeds=first.prompt_embeds,
             prompt_mask=first.prompt_mask, negative_prompt_embeds=first.negative_prompt_embeds,
-            negative_prompt_mask=first.negative_prompt_mask, producer=first.producer)
+            negative_prompt_mask=first.negative_prompt_mask, conditioning=first.conditioning, family=first.family,
+            producer=first.producer)
 
     async def generate_plain(self, request: GenerationRequest) -> torch.Tensor:
         """Stock diffusers sampling (`QwenImagePipeline.__call__`: its scheduler's ODE step, no trajectory) of the

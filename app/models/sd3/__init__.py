@@ -1,0 +1,105 @@
+"""Stable Diffusion 3 (SD3.5-Medium, the field's FlowGRPO test bed): a diffusers MMDiT (`SD3Transformer2DModel`,
+dual attention in its first blocks) conditioned on CLIP-L, CLIP-G and T5 text states plus the CLIPs' pooled
+embedding, CFG, unpacked 16-channel latents, a fixed-shift flow-matching schedule. The family's face (`FAMILY`);
+its parts:
+
+    model.py      schedule, initial noise, the velocity with CFG, re-scoring a stored trajectory, decoding
+    flops.py      FLOPs of a transformer forward
+    tiny.py       the deterministic tiny random checkpoint (tests, the CPU demo), tokenizers trained locally
+    real_size.py  a random checkpoint of SD3.5-Medium's size (2.5B transformer), built on the GPU
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.models.family import VLLM_OMNI, FamilyBase, Preset, VllmOmniRecipe, prompt_fields_checker
+
+NAME = "sd3"
+# flow_grpo's SD3 LoRA targets: the joint attention's projections of both streams (not the dual blocks' second,
+# image-only attention, `attn2`, nor the MLPs)
+LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out")
+
+
+class SD3(FamilyBase):
+    def load_denoiser(self, path, *, dtype, device):
+        from diffusers import SD3Transformer2DModel
+
+        placement = {"device_map": {"": device}} if device.type == "cuda" else {}
+        return SD3Transformer2DModel.from_pretrained(Path(path) / "transformer", dtype=dtype, **placement)
+
+    def denoiser_config(self, path):
+        from diffusers import SD3Transformer2DModel
+
+        return SD3Transformer2DModel.load_config(Path(path) / "transformer")
+
+    def shard_units(self, denoiser):
+        return list(denoiser.transformer_blocks), True
+
+    def compiled_blocks(self, denoiser):
+        return list(denoiser.transformer_blocks)
+
+    def score_trajectory(self, denoiser, traj, steps, samples, *, flow_grpo_compat=False, uniform=False):
+        from app.models.sd3.model import score_trajectory
+
+        return score_trajectory(denoiser, traj, steps, samples=samples, flow_grpo_compat=flow_grpo_compat)
+
+    def forward_flops(self, config, traj):
+        from app.models.sd3.flops import trajectory_forward_flops
+
+        return trajectory_forward_flops(config, traj)
+
+    def prompt_checker(self, path):
+        """A prompt may take T5_MAX_LENGTH T5 tokens (its end token included): beyond them T5 would drop the rest
+        silently. (CLIP's 77 tokens cut longer prompts in every SD3 pipeline; T5 carries the whole prompt.)"""
+        from transformers import T5Tokenizer
+
+        from app.models.sd3.model import T5_MAX_LENGTH
+
+        tokenizer = T5Tokenizer.from_pretrained(Path(path) / "tokenizer_3")
+
+        def problem(text: str) -> str | None:
+            tokens = len(tokenizer(text).input_ids)
+            if tokens <= T5_MAX_LENGTH:
+                return None
+            return f"is {tokens} T5 tokens; SD3's limit is {T5_MAX_LENGTH}: shorten it"
+
+        return prompt_fields_checker(problem)
+
+    def save_adapter(self, directory, tensors, *, rank, alpha, target_modules) -> Path:
+        """As diffusers writes LoRAs: `StableDiffusion3Pipeline.load_lora_weights(directory)` loads it."""
+        from diffusers import StableDiffusion3Pipeline
+
+        StableDiffusion3Pipeline.save_lora_weights(
+            directory, transformer_lora_layers=tensors,
+            transformer_lora_adapter_metadata={"r": rank, "lora_alpha": alpha,
+                                               "target_modules": sorted(target_modules)})
+        return Path(directory) / "pytorch_lora_weights.safetensors"
+
+    def vllm_omni_guidance(self, request):
+        from app.models.sd3.model import T5_MAX_LENGTH
+
+        return {"guidance_scale": request.guidance_scale, "max_sequence_length": T5_MAX_LENGTH}, {}
+
+
+FAMILY = SD3(
+    name=NAME,
+    engines={VLLM_OMNI: "app.rollout.vllm_omni.engine.VllmOmniEngine",
+             "diffusers": "app.rollout.sd3_engine.SD3Engine"},  # the parity oracle, on plain diffusers
+    exact_engines=(VLLM_OMNI, "diffusers"),
+    lora_targets=LORA_TARGETS,
+    adapter_format="StableDiffusion3Pipeline.load_lora_weights(...) loads it",
+    adapter_roots=("transformer_blocks", "pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out"),
+    checkpoint_files=("model_index.json", "transformer/config.json", "text_encoder_3/config.json"),
+    checkpoint_layout="a diffusers Stable Diffusion 3 folder",
+    supports_edits=False,
+    vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_sd3.FlowGRPOSD3Pipeline"),
+    presets={"tiny-sd3": Preset("app.models.sd3.tiny:build_tiny_sd3",
+                                "tiny random SD3 (dual attention, CLIP-L, CLIP-G, T5): fp32, ~1.2 MB, CPU"),
+             "sd35-medium": Preset("app.models.sd3.real_size:build_random_sd35_medium",
+                                   "SD3.5-Medium's size (2.5B transformer, real-width text encoders), random, bf16, "
+                                   "built on the GPU (~20 GB)", "num_layers", 24,
+                                   "transformer blocks (default and real: 24)")},
+    tiny_preset="tiny-sd3",
+)
