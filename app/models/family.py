@@ -47,6 +47,8 @@ class VllmOmniRecipe:
     lora_delivery: str = "vllm_manager"
     # full transformer weight updates (`update_weights`)
     weight_updates: bool = True
+    # LoRA module paths vllm-omni's DiT names differently from diffusers: (diffusers, vllm-omni) pairs
+    lora_renames: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

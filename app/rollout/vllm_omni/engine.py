@@ -185,7 +185,7 @@ class VllmOmniEngine:
             if adapter.version < self._lora_version:
                 raise ValueError(f"adapter version {adapter.version} is older than the served version "
                                  f"{self._lora_version}: publish a newer one, or None to reset to the base model")
-            tensors, peft_config = LORA_DELIVERIES[self.recipe.lora_delivery](adapter)
+            tensors, peft_config = LORA_DELIVERIES[self.recipe.lora_delivery](adapter, self.recipe)
             staged = _first_result(await self._omni.collective_rpc("stage_lora",
                                                                   args=(adapter.version, tensors, peft_config)))
             if staged != len(tensors):

@@ -1,9 +1,11 @@
 """How an adapter reaches a vllm-omni pipeline (`LORA_DELIVERIES`, by the family's `VllmOmniRecipe.lora_delivery`).
 
-`to_vllm_omni`: peft/diffusers LoRA names → vllm-omni's Qwen-Image DiT names, for vllm's LoRA manager. The only
-module that differs is the attention output projection: diffusers `attn.to_out.0`, vllm-omni
-`attn.to_out` (its loader applies the same rename to full weights). Fused projections (to_q/k/v → to_qkv,
-add_q/k/v_proj → add_kv_proj) keep their per-projection LoRA names: vllm's LoRA model packs them itself.
+`to_vllm_omni`: peft/diffusers LoRA names → the names of vllm-omni's DiT, for vllm's LoRA manager. Modules vllm-omni
+names differently are renamed as the family's recipe says (`VllmOmniRecipe.lora_renames`; Qwen-Image's attention
+output projection: diffusers `attn.to_out.0`, vllm-omni `attn.to_out`, the rename its loader applies to full
+weights). Fused projections (to_q/k/v → to_qkv, add_q/k/v_proj → add_kv_proj) keep their per-projection LoRA names:
+vllm's LoRA model packs them itself. `StagedLoraPipeline` is the pipelines' side: the staged tensors, loaded by
+vllm's LoRA manager without a file.
 """
 
 from __future__ import annotations
@@ -12,25 +14,25 @@ from app.models.lora import PEFT_PREFIX, transformer_key
 from app.types import LoraAdapter
 
 
-def _module_name(name: str) -> str:
-    return name.replace(".to_out.0.", ".to_out.")
+def _rename(name: str, renames) -> str:
+    """`name` (a module, a tensor's or a target's) with each (old, new) module path replaced, whole components only."""
+    for old, new in renames:
+        name = f".{name}.".replace(f".{old}.", f".{new}.")[1:-1]
+    return name
 
 
-def _target_name(target: str) -> str:
-    return target.removesuffix(".0") if target == "to_out.0" or target.endswith(".to_out.0") else target
-
-
-def to_vllm_omni(adapter: LoraAdapter) -> tuple[dict, dict]:
+def to_vllm_omni(adapter: LoraAdapter, recipe) -> tuple[dict, dict]:
     """(tensors, peft_config) in the form vllm's `LoRAModel.from_lora_tensors` / `PEFTHelper.from_dict` take."""
+    renames = recipe.lora_renames
     tensors = {}
     for key, value in adapter.tensors.items():
-        tensors[PEFT_PREFIX + _module_name(transformer_key(key))] = value.detach().contiguous()
+        tensors[PEFT_PREFIX + _rename(transformer_key(key), renames)] = value.detach().contiguous()
     config = {"r": adapter.rank, "lora_alpha": adapter.alpha,
-              "target_modules": sorted({_target_name(t) for t in adapter.target_modules})}
+              "target_modules": sorted({_rename(t, renames) for t in adapter.target_modules})}
     return tensors, config
 
 
-def to_pipeline_hooks(adapter: LoraAdapter) -> tuple[dict, dict]:
+def to_pipeline_hooks(adapter: LoraAdapter, recipe) -> tuple[dict, dict]:
     """(tensors, peft_config) for a pipeline that applies the adapter with its own hooks (BAGEL's generation expert,
     bagel_lora.py): the trainer's names, checked here so that an adapter it cannot serve is refused when published."""
     from app.rollout.vllm_omni.bagel_lora import split_adapter
@@ -42,3 +44,22 @@ def to_pipeline_hooks(adapter: LoraAdapter) -> tuple[dict, dict]:
 
 # how a family's adapter reaches its pipeline (`VllmOmniRecipe.lora_delivery`) → its staged form
 LORA_DELIVERIES = {"vllm_manager": to_vllm_omni, "pipeline_hooks": to_pipeline_hooks}
+
+
+class StagedLoraPipeline:
+    """A FlowGRPO pipeline's hook for vllm's LoRA manager: LoRA tensors staged in memory by the worker extension
+    (worker.py `stage_lora`). vllm-omni's manager asks this hook first and reads a PEFT folder from
+    `lora_request.lora_path` only when it returns None."""
+
+    def _load_diffusion_lora_adapter(self, *, lora_request, lora_path, dtype):
+        staged = getattr(self, "_staged_loras", {}).get(lora_request.lora_int_id)
+        if staged is None:
+            return None
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        tensors, peft_config = staged
+        helper = PEFTHelper.from_dict(dict(peft_config))
+        model = LoRAModel.from_lora_tensors(lora_model_id=lora_request.lora_int_id, tensors=tensors,
+                                            peft_helper=helper, device="cpu", dtype=dtype)
+        return model, helper

@@ -21,6 +21,7 @@ from app.algo.sampling import TrajectoryRecorder
 from app.algo.sde_window import noise_levels
 from app.rollout.seeding import sample_generators
 from app.rollout.vllm_omni.exchange import FlowGRPOArgs, side_output
+from app.rollout.vllm_omni.lora import StagedLoraPipeline
 
 
 @dataclass
@@ -34,7 +35,7 @@ class _Recording:
     embeds: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name → (embeds, mask)
 
 
-class FlowGRPOQwenImagePipeline(QwenImagePipeline):
+class FlowGRPOQwenImagePipeline(StagedLoraPipeline, QwenImagePipeline):
     supports_step_execution = False  # the step-wise path calls the stock scheduler step
     _progress_bar_config = {"disable": True}  # a server's per-request denoising bars are noise in every log
     _recording: _Recording | None = None
@@ -106,18 +107,3 @@ class FlowGRPOQwenImagePipeline(QwenImagePipeline):
         sched._step_index += 1
         rec.timesteps.append(t.detach())
         return prev
-
-    # LoRA tensors staged in memory by the worker extension; vllm-omni's LoRA manager asks this hook first and
-    # reads a PEFT folder from lora_request.lora_path only when it returns None.
-    def _load_diffusion_lora_adapter(self, *, lora_request, lora_path, dtype):
-        staged = getattr(self, "_staged_loras", {}).get(lora_request.lora_int_id)
-        if staged is None:
-            return None
-        from vllm.lora.lora_model import LoRAModel
-        from vllm.lora.peft_helper import PEFTHelper
-
-        tensors, peft_config = staged
-        helper = PEFTHelper.from_dict(dict(peft_config))
-        model = LoRAModel.from_lora_tensors(lora_model_id=lora_request.lora_int_id, tensors=tensors,
-                                            peft_helper=helper, device="cpu", dtype=dtype)
-        return model, helper
