@@ -76,3 +76,18 @@ def is_tiny_build(path: str | os.PathLike, wanted: dict | None = None) -> bool:
     if not info.is_file():
         return False
     return wanted is None or json.loads(info.read_text()) == wanted
+
+
+def randomise(module, generator, std: float = 0.02) -> None:
+    """Every parameter of `module` drawn in name order (the real-size random builders): matrices N(0, std), 1-d norm
+    scales 1, other vectors 0. Same generator state → identical weights."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters(), key=lambda item: item[0]):
+            if p.ndim >= 2:
+                p.normal_(0.0, std, generator=generator)
+            elif "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()

@@ -30,18 +30,6 @@ TEXT = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, n
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [16, 24, 24]})
 
 
-@torch.no_grad()
-def _randomise(module: torch.nn.Module, generator: torch.Generator, std: float = 0.02) -> None:
-    """Every parameter drawn in name order: matrices N(0, std), 1-d norm scales 1, other vectors 0."""
-    for name, p in sorted(module.named_parameters(), key=lambda item: item[0]):
-        if p.ndim >= 2:
-            p.normal_(0.0, std, generator=generator)
-        elif "norm" in name and name.endswith("weight"):
-            p.fill_(1.0)
-        else:
-            p.zero_()
-
-
 def full_random_components(seed: int = 0, *, num_layers: int = 60, text_layers: int = 2,
                            device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
     """The five pipeline components; `num_layers` < 60 gives a shallower transformer of the real width (tests)."""
@@ -57,7 +45,7 @@ def full_random_components(seed: int = 0, *, num_layers: int = 60, text_layers: 
     transformer = transformer.to_empty(device=device).to(dtype)
     # the rotary tables are plain attributes computed in __init__: made on the meta device above, so again here
     transformer.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(TRANSFORMER["axes_dims_rope"]), scale_rope=True)
-    _randomise(transformer, generator)
+    builds.randomise(transformer, generator)
     text_config = dict(
         TEXT, vocab_size=len(tokenizer), num_hidden_layers=text_layers, max_position_embeddings=128_000,
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
@@ -69,7 +57,7 @@ def full_random_components(seed: int = 0, *, num_layers: int = 60, text_layers: 
             vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
             image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         )).to(dtype).eval()
-    _randomise(text_encoder, generator)
+    builds.randomise(text_encoder, generator)
     with torch.random.fork_rng(devices=[]):  # the VAE keeps diffusers' own init (0.13B parameters), seeded
         torch.manual_seed(seed)
         vae = AutoencoderKLQwenImage().to(device, dtype)  # the class defaults are Qwen-Image's VAE

@@ -74,8 +74,8 @@ def train_t5_tokenizer(vocab_size: int = 300):
     from transformers import T5Tokenizer
 
     unigram = Tokenizer(models.Unigram())
-    unigram.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                     pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
+    unigram.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
     trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=T5_SPECIALS, unk_token="<unk>",
                                       show_progress=False, initial_alphabet=list(_CHARACTERS))
     unigram.train_from_iterator(_corpus(), trainer)

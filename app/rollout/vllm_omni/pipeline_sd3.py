@@ -1,11 +1,11 @@
 """vllm-omni's Stable Diffusion 3 pipeline with the FlowGRPO sampler and trajectory recording.
 
 Loaded by vllm-omni through `custom_pipeline_args={"pipeline_class": ...}`, as the Qwen-Image one is
-(pipeline_qwen_image.py): per request it reads the request's `FlowGRPOArgs` (exchange.py), draws the initial latents
-and every SDE step's noise from per-sample generators (app/rollout/seeding.py), takes each step of vllm-omni's
-denoising loop with `app.algo.sampling`'s recorder in place of the scheduler step, and returns the trajectory
-through vllm-omni's trajectory fields, with the text states and pooled embeddings the transformer saw (and the
-negative prompt's under CFG) as the trajectory's conditioning (app/models/sd3/model.py names).
+(pipeline_qwen_image.py; what both do alike: recording.py): per request it reads the request's `FlowGRPOArgs`,
+draws the initial latents and every SDE step's noise from per-sample generators, takes each step of vllm-omni's
+denoising loop with the shared recorder in place of the scheduler step, and returns the trajectory through
+vllm-omni's trajectory fields (exchange.py), with the text states and pooled embeddings the transformer saw (and
+the negative prompt's under CFG) as the trajectory's conditioning (app/models/sd3/model.py names).
 
 vllm-omni's SD3 encodes one text per prompt while it draws `num_outputs_per_prompt` latents per prompt; here each
 prompt's encoding is repeated for its samples, so a group of n is one request and one batch of n.
@@ -20,53 +20,30 @@ from dataclasses import dataclass, field
 import torch
 from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
 
-from app.algo.sampling import TrajectoryRecorder
-from app.algo.sde_window import noise_levels
 from app.models.sd3.model import NEGATIVE_POOLED, POOLED
-from app.rollout.seeding import sample_generators
-from app.rollout.vllm_omni.exchange import FlowGRPOArgs, side_output
+from app.rollout.vllm_omni.exchange import side_output
 from app.rollout.vllm_omni.lora import StagedLoraPipeline
+from app.rollout.vllm_omni.recording import Recording, RecordingPipeline
 
 
 @dataclass
-class _Recording:
-    """What one forward (possibly several batched requests) records, in batch order (request-major)."""
-
-    generators: list[torch.Generator]
-    args: FlowGRPOArgs  # the batch's shared noise level, SDE type and window
-    samples_per_prompt: int
-    recorder: TrajectoryRecorder | None = None  # made at the first step, when the schedule is known
-    timesteps: list[torch.Tensor] = field(default_factory=list)  # T × []
+class _SD3Recording(Recording):
     # per prompt of the batch: (states [B, S, D], pooled [B, P]); the first encoding is the prompts', the second
     # (under CFG) the negative prompts'
     encodings: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
-class FlowGRPOSD3Pipeline(StagedLoraPipeline, StableDiffusion3Pipeline):
-    _recording: _Recording | None = None
+class FlowGRPOSD3Pipeline(RecordingPipeline, StagedLoraPipeline, StableDiffusion3Pipeline):
+    recording_class = _SD3Recording
 
     def forward(self, req):
-        params = req.sampling_params_list
-        args = [FlowGRPOArgs.of(p) for p in params]
-        if all(a is None for a in args):
+        rec = self.recording_for(req)
+        if rec is None:
             return super().forward(req)
-        if any(a is None for a in args):
-            raise ValueError("FlowGRPO and plain requests cannot share a batch")
-        if len({a.batch_key() for a in args}) != 1:
-            raise ValueError("requests batched together must share noise_level, sde_type and sde_window")
-        n = params[0].num_outputs_per_prompt if params[0].num_outputs_per_prompt > 0 else 1
-        generators = [g for a in args for g in sample_generators(a.seed, a.sample_offset, n)]
-        self._recording = rec = _Recording(generators, args[0], n)
-        try:
-            outputs = super().forward(req)
-        finally:
-            self._recording = None
-        latents, log_probs = rec.recorder.result()
-        latents, log_probs = latents.cpu(), log_probs.cpu()  # [B, T+1, C, h, w], [B, T]
-        timesteps = torch.stack([t.reshape(()) for t in rec.timesteps]).float().cpu()  # [T]
-        sigmas = rec.recorder.sigmas.float().cpu()
+        outputs = self.record(req, rec)
+        latents, log_probs, timesteps, sigmas = rec.result()  # [B, T+1, C, h, w], [B, T], [T], [T+1]
+        n = rec.samples_per_prompt
         for r, out in enumerate(outputs):
-            group = slice(r * n, (r + 1) * n)
             embeds, pooled = rec.encodings[0]
             mask = torch.ones(embeds.shape[1], dtype=torch.long)  # SD3 attends every text position
             fields = {"prompt_embeds": embeds[r].float().cpu(), "prompt_mask": mask,
@@ -75,8 +52,8 @@ class FlowGRPOSD3Pipeline(StagedLoraPipeline, StableDiffusion3Pipeline):
                 neg_embeds, neg_pooled = rec.encodings[1]
                 fields.update(negative_prompt_embeds=neg_embeds[r].float().cpu(), negative_prompt_mask=mask.clone())
                 fields["conditioning"][NEGATIVE_POOLED] = neg_pooled[r].float().cpu()
-            out.trajectory_latents = latents[group]
-            out.trajectory_log_probs = log_probs[group]
+            out.trajectory_latents = latents[r * n:(r + 1) * n]
+            out.trajectory_log_probs = log_probs[r * n:(r + 1) * n]
             out.trajectory_timesteps = side_output(timesteps, sigmas, fields)
         return outputs
 
@@ -90,30 +67,5 @@ class FlowGRPOSD3Pipeline(StagedLoraPipeline, StableDiffusion3Pipeline):
         return embeds.repeat_interleave(n, dim=0), pooled.repeat_interleave(n, dim=0)
 
     def prepare_latents(self, batch_size, num_channels_latents, height, width, generator, latents=None):
-        if self._recording is not None and latents is None:
-            generator = self._recording.generators  # one per sample: batching never changes a sample's noise
-            if len(generator) != batch_size:
-                raise ValueError(f"{len(generator)} sample generators for a batch of {batch_size}")
+        generator = self.sample_generators_for(batch_size, generator) if latents is None else generator
         return super().prepare_latents(batch_size, num_channels_latents, height, width, generator, latents)
-
-    def scheduler_step_maybe_with_cfg(self, noise_pred, t, latents, do_true_cfg, per_request_scheduler=None,
-                                      generator=None):
-        rec = self._recording
-        if rec is None:
-            return super().scheduler_step_maybe_with_cfg(noise_pred, t, latents, do_true_cfg, per_request_scheduler,
-                                                         generator)
-        sched = per_request_scheduler or self.scheduler
-        if sched.step_index is None:
-            sched._init_step_index(t)
-        if rec.recorder is None:
-            steps = len(sched.sigmas) - 1
-            rec.recorder = TrajectoryRecorder(sched.sigmas, noise_levels(rec.args.noise_level, steps,
-                                                                         rec.args.sde_window),
-                                              sde_type=rec.args.sde_type, generators=rec.generators)
-        if sched.step_index != rec.recorder.steps_taken:
-            raise RuntimeError(f"vllm-omni's scheduler is at step {sched.step_index}; the recording at "
-                               f"{rec.recorder.steps_taken}")
-        prev = rec.recorder.step(noise_pred, latents)
-        sched._step_index += 1
-        rec.timesteps.append(t.detach())
-        return prev
