@@ -66,6 +66,14 @@ def tiny_bagel_dir() -> Path:
     return build_tiny_bagel(TINY_CACHE / "tiny-bagel", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_sd3_dir() -> Path:
+    """The tiny SD3 checkpoint, built once into the cache folder and reused across sessions."""
+    from app.models.sd3.tiny import build_tiny_sd3
+
+    return build_tiny_sd3(TINY_CACHE / "tiny-sd3", seed=0)
+
+
 @pytest.fixture(scope="module")
 def nccl_group():
     """A process group of one rank on the GPU (NCCL), as a Ray Train worker has: FSDP2 wraps the model under it."""
@@ -107,6 +115,22 @@ def diffusers_engine(tiny_model_dir, aio):
     from app.rollout.diffusers_engine import DiffusersEngine
 
     yield from _started(DiffusersEngine(tiny_model_dir), aio)
+
+
+@pytest.fixture(scope="session")
+def sd3_vllm_engine(tiny_sd3_dir, aio):
+    """The real vllm-omni engine serving the tiny SD3 through our FlowGRPO SD3 pipeline."""
+    from app.rollout.vllm_omni.engine import VllmOmniEngine
+
+    yield from _started(VllmOmniEngine(tiny_sd3_dir, family="sd3"), aio)
+
+
+@pytest.fixture(scope="session")
+def sd3_engine(tiny_sd3_dir, aio):
+    """The tiny SD3 on plain diffusers (the parity oracle)."""
+    from app.rollout.sd3_engine import SD3Engine
+
+    yield from _started(SD3Engine(tiny_sd3_dir), aio)
 
 
 @pytest.fixture(scope="session")

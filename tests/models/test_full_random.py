@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from app.config import RolloutConfig
-from app.models.qwen_image.real_size import TRANSFORMER, _randomise, build_full_random_qwen_image
+from app.models.builds import randomise
+from app.models.qwen_image.real_size import TRANSFORMER, build_full_random_qwen_image
 from app.rollout.diffusers_engine import DiffusersEngine
 from app.train.policy import Policy
 
@@ -40,7 +41,7 @@ def test_the_same_seed_gives_the_same_weights(one_block):
     def draw(seed):
         module = torch.nn.ModuleDict({"proj": torch.nn.Linear(64, 64), "norm": torch.nn.LayerNorm(64)})
         module = module.to(torch.bfloat16)
-        _randomise(module, torch.Generator().manual_seed(seed))
+        randomise(module, torch.Generator().manual_seed(seed))
         return module
 
     a, b, c = draw(5), draw(5), draw(6)

@@ -6,7 +6,7 @@ its parts:
     model.py      schedule, initial noise, the velocity with CFG, re-scoring a stored trajectory, decoding
     flops.py      FLOPs of a transformer forward
     tiny.py       the deterministic tiny random checkpoint (tests, the CPU demo), tokenizers trained locally
-    real_size.py  a random checkpoint of SD3.5-Medium's size (2.5B transformer), built on the GPU
+    real_size.py  a random checkpoint of SD3.5-Medium's size (2.2B transformer), built on the GPU
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ FAMILY = SD3(
     presets={"tiny-sd3": Preset("app.models.sd3.tiny:build_tiny_sd3",
                                 "tiny random SD3 (dual attention, CLIP-L, CLIP-G, T5): fp32, ~1.2 MB, CPU"),
              "sd35-medium": Preset("app.models.sd3.real_size:build_random_sd35_medium",
-                                   "SD3.5-Medium's size (2.5B transformer, real-width text encoders), random, bf16, "
+                                   "SD3.5-Medium's size (2.2B transformer, real-width text encoders), random, bf16, "
                                    "built on the GPU (~20 GB)", "num_layers", 24,
                                    "transformer blocks (default and real: 24)")},
     tiny_preset="tiny-sd3",

@@ -2,7 +2,8 @@
 machines).
 
 The transformer is SD3.5-Medium's own, from its published config: 24 MMDiT blocks, 24 heads of 64 (1536 wide),
-dual attention in blocks 0-12, RMS-normed queries and keys, text states 4096 wide, pooled 2048, 2.5B parameters; so
+dual attention in blocks 0-12, RMS-normed queries and keys, text states 4096 wide, pooled 2048, 2.24B parameters
+(2.47B with its position table); so
 is the VAE (16 latent channels, SD3.5's scaling and shift). The three text encoders have their real widths (CLIP-L
 768, CLIP-G 1280, T5-XXL 4096 with its 10240-wide gated MLP) but only `text_layers` layers each, since prompt
 encoding is a small share of the work; the tokenizers are the tiny ones (app/models/sd3/tiny.py).

@@ -6,15 +6,14 @@ The checkpoint has SD3.5's diffusers layout (`model_index.json`, `transformer/`,
 features at a tiny width: RMS-normed queries and keys, a dual-attention layer (layer 0) and a last layer whose text
 stream ends early (`context_pre_only`). Same seed → identical tensors and tokenizers.
 
-Tokenizers are trained here on a small corpus with the real ones' algorithms: CLIP's byte-level BPE (lower-cased,
-`</w>` word ends; `CLIPTokenizer` builds its own pipeline from the vocabulary and merges) and T5's unigram model
-(`T5Tokenizer` from scored pieces). Every letter, digit and common punctuation mark is in both vocabularies, so any
-prompt of our prompt sets tokenizes without unknown pieces.
+Tokenizers are made here from a small corpus with the real ones' algorithms, deterministically: CLIP's byte-level
+BPE (lower-cased, `</w>` word ends; `CLIPTokenizer` builds its own pipeline from the vocabulary and merges) and
+T5's unigram model (`T5Tokenizer` from scored pieces). Every letter, digit and common punctuation mark is in both
+vocabularies, so any prompt of our prompt sets tokenizes without unknown pieces.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 from app.models.builds import PROMPT_CORPUS, write_build
 
-BUILDER_VERSION = 1  # bump when the architecture below changes, so cached checkpoints are rebuilt
+BUILDER_VERSION = 2  # bump when the architecture below changes, so cached checkpoints are rebuilt
 
 CLIP_MAX_LENGTH = 77  # CLIP's context; SD3 pads both CLIP prompts to it
 CLIP_SPECIALS = ["<|startoftext|>", "<|endoftext|>"]
@@ -37,7 +36,7 @@ TRANSFORMER = dict(sample_size=8, patch_size=2, in_channels=16, out_channels=16,
                    dual_attention_layers=(0,))
 # SD3.5's latent normalisation (the VAE's scaling and shift factors)
 VAE_SCALING, VAE_SHIFT = 1.5305, 0.0609
-_CHARACTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789\"'.,:;!?-&#%+/()"
+_CHARACTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789\"'.,:;!?-&#%+/()=@*$_[]<>"
 _ALPHABET = " ".join(_CHARACTERS)  # each one a word of its own: a word end for every character
 
 
@@ -45,42 +44,77 @@ def _corpus() -> list[str]:
     return [*PROMPT_CORPUS, _ALPHABET] * 8
 
 
-def train_clip_tokenizer(vocab_size: int = 600):
-    """A CLIP tokenizer (byte-level BPE, lower-cased, `</w>` at word ends) trained on the tiny corpus."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+def _clip_pipeline():
+    """CLIPTokenizer's own normaliser and pre-tokeniser (lower-cased NFC text split into words, byte-level)."""
     from transformers import CLIPTokenizer
 
-    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
-    # CLIPTokenizer's own normaliser and pre-tokeniser: the merges are learnt on the pieces it will split
-    bpe.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
-                                           normalizers.Lowercase()])
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"""'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""),
-                             behavior="removed", invert=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CLIP_SPECIALS, show_progress=False,
-                                  end_of_word_suffix="</w>",
-                                  initial_alphabet=alphabet + [c + "</w>" for c in alphabet])
-    bpe.train_from_iterator(_corpus(), trainer)
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    return CLIPTokenizer(vocab=model["vocab"], merges=merges, model_max_length=CLIP_MAX_LENGTH)
+    return CLIPTokenizer().backend_tokenizer
 
 
-def train_t5_tokenizer(vocab_size: int = 300):
-    """A T5 tokenizer (unigram pieces, `▁` word starts) trained on the tiny corpus."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def train_clip_tokenizer(vocab_size: int = 600):
+    """A CLIP tokenizer (byte-level BPE, lower-cased, `</w>` at word ends) learnt from the tiny corpus.
+
+    The merges are learnt here rather than by `tokenizers`' trainer, whose ties between equally frequent pairs fall
+    differently from process to process: the most frequent pair is merged first, ties go to the smaller pair, so the
+    same corpus always gives the same vocabulary."""
+    from collections import Counter
+
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
+    pipeline = _clip_pipeline()
+    words: Counter[tuple[str, ...]] = Counter()
+    for text in _corpus():
+        for piece, _ in pipeline.pre_tokenizer.pre_tokenize_str(pipeline.normalizer.normalize_str(text)):
+            words[(*piece[:-1], piece[-1] + "</w>")] += 1
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate([*CLIP_SPECIALS, *alphabet, *(c + "</w>" for c in alphabet)])}
+    merges = []
+    while len(vocab) < vocab_size:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, count in words.items():
+            for pair in zip(word, word[1:], strict=False):
+                pairs[pair] += count
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        if pairs[best] < 2:
+            break
+        merges.append(best)
+        vocab.setdefault("".join(best), len(vocab))
+        words = Counter({_merged(word, best): count for word, count in words.items()})
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
+
+
+def _merged(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    out, i = [], 0
+    while i < len(word):
+        if word[i:i + 2] == pair:
+            out.append(word[i] + word[i + 1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+def train_t5_tokenizer():
+    """A T5 tokenizer (unigram pieces, `▁` at word starts) made from the tiny corpus: every word of it a piece scored
+    by its log-frequency, every character a piece alone and after `▁` at a score no word beats, so any text of our
+    alphabet splits into known pieces. Deterministic (no trainer)."""
+    import math
+    from collections import Counter
+
     from transformers import T5Tokenizer
 
-    unigram = Tokenizer(models.Unigram())
-    unigram.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
-    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=T5_SPECIALS, unk_token="<unk>",
-                                      show_progress=False, initial_alphabet=list(_CHARACTERS))
-    unigram.train_from_iterator(_corpus(), trainer)
-    pieces = [(piece, float(score)) for piece, score in json.loads(unigram.to_str())["model"]["vocab"]]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
+    words = Counter(f"▁{w}" for text in _corpus() for w in text.split())
+    total = sum(words.values())
+    chars = sorted(set(_CHARACTERS))
+    pieces = [(word, math.log(count / total)) for word, count in words.items()]
+    pieces += [("▁", -20.0)] + [(c, -20.0) for c in chars] + [(f"▁{c}", -20.0) for c in chars if f"▁{c}" not in words]
+    pieces = sorted(dict(pieces).items(), key=lambda item: (-item[1], item[0]))
+    vocab = [(token, 0.0) for token in T5_SPECIALS] + pieces  # <unk> at id 2, as T5Tokenizer's model expects
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=512)
 
 
 def tiny_sd3_components(seed: int = 0) -> dict:
