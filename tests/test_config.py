@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from app.config import AppConfig, ConfigError, RewardConfig, RolloutConfig, RunConfig, load, load_app, to_yaml
+from app.models.family import get_family
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -291,3 +292,19 @@ def test_a_compiled_run_caches_its_graphs_in_its_folder(tmp_path):
                        "train.old_logprob=trainer", f"logging.dir={tmp_path / 'run2'}",
                        f"model.compile.cache_dir={tmp_path / 'shared'}"])
     assert checked_config(args)[0].model.compile.cache_dir == str(tmp_path / "shared")
+
+
+def test_the_sd35_medium_recipes_are_flow_grpo_s():
+    """flow_grpo's SD3.5-M OCR recipe (config/grpo.py general_ocr_sd3) and its fast no-CFG variant with a window of
+    2; both need the paths a user names."""
+    with pytest.raises(ConfigError, match="model.path"):
+        load(CONFIGS / "sd35m_ocr.yaml")
+    paths = ["model.path=/models/sd35m", "data.prompts=/data/ocr.txt"]
+    full, fast = load(CONFIGS / "sd35m_ocr.yaml", paths), load(CONFIGS / "sd35m_ocr_fast.yaml", paths)
+    for cfg in (full, fast):
+        assert cfg.model.family == "sd3" and (cfg.model.lora_rank, cfg.model.lora_alpha) == (32, 64)
+        assert (cfg.rollout.height, cfg.rollout.width, cfg.rollout.num_inference_steps) == (512, 512, 10)
+        assert cfg.rollout.group_size == 24 and cfg.train.learning_rate == 3e-4 and cfg.model.compile.enabled
+    assert (full.rollout.guidance_scale, full.rollout.noise_level, full.train.kl_beta) == (4.5, 0.7, 0.04)
+    assert full.model.lora_targets == list(get_family("sd3").lora_targets)
+    assert fast.rollout.guidance_scale == 1.0 and fast.rollout.sde_window.size == 2 and fast.rollout.sde_type == "cps"
