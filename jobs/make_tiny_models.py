@@ -6,6 +6,8 @@ benchmarks, and real-size ones for GPU measurements. Each model family declares 
     python -m jobs.make_tiny_models --preset qwen-image-full --out /data/qwen-image-random [--layers 60]
     python -m jobs.make_tiny_models --preset tiny-bagel --out .cache/tiny-bagel
     python -m jobs.make_tiny_models --preset bagel-real-width --out /data/bagel-real-width [--layers 4]
+    python -m jobs.make_tiny_models --preset tiny-sd3 --out .cache/tiny-sd3
+    python -m jobs.make_tiny_models --preset sd35-medium --out /data/sd35m-random [--layers 24]
 
 An identical build already at --out is kept unless --overwrite is given.
 """

@@ -63,7 +63,7 @@ class SD3(FamilyBase):
             tokens = len(tokenizer(text).input_ids)
             if tokens <= T5_MAX_LENGTH:
                 return None
-            return f"is {tokens} T5 tokens; SD3's limit is {T5_MAX_LENGTH}: shorten it"
+            return f"is {tokens} T5 tokens; the limit is {T5_MAX_LENGTH}, SD3's T5 length: shorten it"
 
         return prompt_fields_checker(problem)
 
