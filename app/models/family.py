@@ -112,6 +112,53 @@ class FamilyBase:
         return getattr(importlib.import_module(module), name)
 
 
+@dataclass(frozen=True)
+class DiffusersFamily(FamilyBase):
+    """A family whose denoiser is a diffusers transformer in the `transformer/` folder of a diffusers pipeline
+    checkpoint, with its repeated blocks in `transformer_blocks` (Qwen-Image, SD3). Its folder's `model.py` has
+    `score_trajectory(transformer, traj, steps, samples=..., flow_grpo_compat=...)` and `flops.py`
+    `trajectory_forward_flops(config, traj)`; a subclass adds `prompt_checker` and `vllm_omni_guidance`."""
+
+    transformer_class: str  # diffusers' class names, e.g. "SD3Transformer2DModel", "StableDiffusion3Pipeline"
+    pipeline_class: str
+
+    def _diffusers(self, name: str):
+        return getattr(importlib.import_module("diffusers"), name)
+
+    def _part(self, module: str):
+        return importlib.import_module(f"app.models.{self.name}.{module}")
+
+    def load_denoiser(self, path, *, dtype, device):
+        # on a GPU the weights go straight there (a 20B model never sits in the host's memory)
+        placement = {"device_map": {"": device}} if device.type == "cuda" else {}
+        return self._diffusers(self.transformer_class).from_pretrained(Path(path) / "transformer", dtype=dtype,
+                                                                        **placement)
+
+    def denoiser_config(self, path):
+        return self._diffusers(self.transformer_class).load_config(Path(path) / "transformer")
+
+    def shard_units(self, denoiser):
+        return list(denoiser.transformer_blocks), True
+
+    def compiled_blocks(self, denoiser):
+        return list(denoiser.transformer_blocks)
+
+    def score_trajectory(self, denoiser, traj, steps, samples, *, flow_grpo_compat=False, uniform=False):
+        return self._part("model").score_trajectory(denoiser, traj, steps, samples=samples,
+                                                    flow_grpo_compat=flow_grpo_compat)
+
+    def forward_flops(self, config, traj):
+        return self._part("flops").trajectory_forward_flops(config, traj)
+
+    def save_adapter(self, directory, tensors, *, rank, alpha, target_modules) -> Path:
+        """As diffusers writes LoRAs: the pipeline's `load_lora_weights(directory)` loads it."""
+        self._diffusers(self.pipeline_class).save_lora_weights(
+            directory, transformer_lora_layers=tensors,
+            transformer_lora_adapter_metadata={"r": rank, "lora_alpha": alpha,
+                                               "target_modules": sorted(target_modules)})
+        return Path(directory) / "pytorch_lora_weights.safetensors"
+
+
 class ModelFamily(Protocol):
     """The face: a `FamilyBase` (the declared facts above) with these methods."""
 

@@ -56,8 +56,8 @@ class DiffusersEngine(LocalEngine):
 
     def _generate(self, request: GenerationRequest, seed: int) -> Trajectory:
         if request.is_edit:
-            raise ValueError("image: Qwen-Image generates from text only; edits need a family that edits "
-                             "(docs/model_families.md)")
+            raise ValueError(f"image: model.family={self.family} generates from text only; edits need a family "
+                             "that edits (docs/model_families.md)")
         if self.batched_groups or request.n == 1:
             return self._generate_group(request, seed)
         return self._generate_per_sample(request, seed)
@@ -101,8 +101,8 @@ class DiffusersEngine(LocalEngine):
             producer=first.producer)
 
     async def generate_plain(self, request: GenerationRequest) -> torch.Tensor:
-        """Stock diffusers sampling (`QwenImagePipeline.__call__`: its scheduler's ODE step, no trajectory) of the
-        same group: uint8 [n, H, W, 3]. The baseline for measuring what trajectory recording costs."""
+        """Stock diffusers sampling (the pipeline's `__call__`: its scheduler's ODE step, no trajectory) of the same
+        group: uint8 [n, H, W, 3]. The baseline for measuring what trajectory recording costs."""
         await self.start()
         seed = request.seed if request.seed is not None else draw_seed()
 
@@ -110,13 +110,17 @@ class DiffusersEngine(LocalEngine):
             with self._lock, torch.no_grad():
                 self._apply_staged()
                 out = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
-                                true_cfg_scale=request.guidance_scale, height=request.height, width=request.width,
+                                height=request.height, width=request.width,
                                 num_inference_steps=request.num_inference_steps, num_images_per_prompt=request.n,
                                 generator=sample_generators(seed, request.sample_offset, request.n),
-                                output_type="pt")
+                                output_type="pt", **self.plain_guidance(request))
                 return (out.images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
 
         return await asyncio.to_thread(run)
+
+    def plain_guidance(self, request: GenerationRequest) -> dict:
+        """The stock pipeline's guidance arguments for `request` (`generate_plain`)."""
+        return {"true_cfg_scale": request.guidance_scale}
 
     async def close(self) -> None:
         self.pipe = None

@@ -1,15 +1,13 @@
 """Stable Diffusion 3 on plain diffusers: the parity oracle for vllm-omni's SD3 pipeline, and the engine where vllm
 cannot be installed (the lent GPU machine). `rollout.engine: diffusers` with `model.family: sd3`.
 
-The Qwen-Image engine's machinery (app/rollout/diffusers_engine.py: loading, the per-sample mode, the LoRA as a peft
-adapter of the transformer) with SD3's components: `StableDiffusion3Pipeline`'s three text encoders, the
+The Qwen-Image engine's machinery (app/rollout/diffusers_engine.py: text-only requests, the per-sample mode, the
+LoRA as a peft adapter of the transformer) with SD3's components: `StableDiffusion3Pipeline`'s three text encoders, the
 operations of app/models/sd3/model.py, the shared sample loop (`app.algo.sampling`) and per-sample noise
 (app/rollout/seeding.py).
 """
 
 from __future__ import annotations
-
-import asyncio
 
 import torch
 
@@ -17,7 +15,7 @@ from app.algo.sampling import sample_trajectory
 from app.models.sd3 import FAMILY
 from app.models.sd3 import model as sd3
 from app.rollout.diffusers_engine import DiffusersEngine
-from app.rollout.seeding import draw_seed, sample_generators
+from app.rollout.seeding import sample_generators
 from app.types import GenerationRequest, Trajectory
 
 
@@ -43,14 +41,6 @@ class SD3Engine(DiffusersEngine):
                                                        do_classifier_free_guidance=False,
                                                        max_sequence_length=sd3.T5_MAX_LENGTH)
         return embeds[0], pooled[0]
-
-    def _generate(self, request: GenerationRequest, seed: int) -> Trajectory:
-        if request.is_edit:
-            raise ValueError("image: SD3 generates from text only; edits need a family that edits "
-                             "(docs/model_families.md)")
-        if self.batched_groups or request.n == 1:
-            return self._generate_group(request, seed)
-        return self._generate_per_sample(request, seed)
 
     @torch.no_grad()
     def _generate_group(self, request: GenerationRequest, seed: int) -> Trajectory:
@@ -78,20 +68,5 @@ class SD3Engine(DiffusersEngine):
             negative_prompt_embeds=neg_embeds.float().cpu() if request.do_cfg else None,
             negative_prompt_mask=mask.clone() if request.do_cfg else None, conditioning=conditioning)
 
-    async def generate_plain(self, request: GenerationRequest) -> torch.Tensor:
-        """Stock diffusers sampling (`StableDiffusion3Pipeline.__call__`: its scheduler's ODE step, no trajectory)
-        of the same group: uint8 [n, H, W, 3]."""
-        await self.start()
-        seed = request.seed if request.seed is not None else draw_seed()
-
-        def run() -> torch.Tensor:
-            with self._lock, torch.no_grad():
-                self._apply_staged()
-                out = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
-                                guidance_scale=request.guidance_scale, height=request.height, width=request.width,
-                                num_inference_steps=request.num_inference_steps, num_images_per_prompt=request.n,
-                                generator=sample_generators(seed, request.sample_offset, request.n),
-                                max_sequence_length=sd3.T5_MAX_LENGTH, output_type="pt")
-                return (out.images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
-
-        return await asyncio.to_thread(run)
+    def plain_guidance(self, request: GenerationRequest) -> dict:
+        return {"guidance_scale": request.guidance_scale, "max_sequence_length": sd3.T5_MAX_LENGTH}

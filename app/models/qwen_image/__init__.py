@@ -11,41 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.models.family import VLLM_OMNI, FamilyBase, Preset, VllmOmniRecipe, prompt_fields_checker
+from app.models.family import VLLM_OMNI, DiffusersFamily, Preset, VllmOmniRecipe, prompt_fields_checker
 
 NAME = "qwen_image"
 TEXT_TOKEN_LIMIT = 1024  # the pipelines' tokenizer_max_length: prompt tokens after the template's own
 
 
-class QwenImage(FamilyBase):
-    def load_denoiser(self, path, *, dtype, device):
-        from diffusers import QwenImageTransformer2DModel
-
-        # on a GPU the weights go straight there (a 20B model never sits in the host's memory)
-        placement = {"device_map": {"": device}} if device.type == "cuda" else {}
-        return QwenImageTransformer2DModel.from_pretrained(Path(path) / "transformer", dtype=dtype, **placement)
-
-    def denoiser_config(self, path):
-        from diffusers import QwenImageTransformer2DModel
-
-        return QwenImageTransformer2DModel.load_config(Path(path) / "transformer")
-
-    def shard_units(self, denoiser):
-        return list(denoiser.transformer_blocks), True
-
-    def compiled_blocks(self, denoiser):
-        return list(denoiser.transformer_blocks)
-
-    def score_trajectory(self, denoiser, traj, steps, samples, *, flow_grpo_compat=False, uniform=False):
-        from app.models.qwen_image.model import score_trajectory
-
-        return score_trajectory(denoiser, traj, steps, samples=samples, flow_grpo_compat=flow_grpo_compat)
-
-    def forward_flops(self, config, traj):
-        from app.models.qwen_image.flops import trajectory_forward_flops
-
-        return trajectory_forward_flops(config, traj)
-
+class QwenImage(DiffusersFamily):
     def prompt_checker(self, path):
         """A prompt may take TEXT_TOKEN_LIMIT tokens, counted as the pipelines count them: the tokens Qwen's chat
         template around the prompt adds are not the prompt's."""
@@ -64,22 +36,14 @@ class QwenImage(FamilyBase):
 
         return prompt_fields_checker(problem)
 
-    def save_adapter(self, directory, tensors, *, rank, alpha, target_modules) -> Path:
-        """As diffusers writes LoRAs: `QwenImagePipeline.load_lora_weights(directory)` loads it."""
-        from diffusers import QwenImagePipeline
-
-        QwenImagePipeline.save_lora_weights(
-            directory, transformer_lora_layers=tensors,
-            transformer_lora_adapter_metadata={"r": rank, "lora_alpha": alpha,
-                                               "target_modules": sorted(target_modules)})
-        return Path(directory) / "pytorch_lora_weights.safetensors"
-
     def vllm_omni_guidance(self, request):
         return {"true_cfg_scale": request.guidance_scale}, {}
 
 
 FAMILY = QwenImage(
     name=NAME,
+    transformer_class="QwenImageTransformer2DModel",
+    pipeline_class="QwenImagePipeline",
     engines={VLLM_OMNI: "app.rollout.vllm_omni.engine.VllmOmniEngine",
              "diffusers": "app.rollout.diffusers_engine.DiffusersEngine"},  # the parity oracle, on plain diffusers
     exact_engines=(VLLM_OMNI, "diffusers"),

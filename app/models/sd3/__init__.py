@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.models.family import VLLM_OMNI, FamilyBase, Preset, VllmOmniRecipe, prompt_fields_checker
+from app.models.family import VLLM_OMNI, DiffusersFamily, Preset, VllmOmniRecipe, prompt_fields_checker
 
 NAME = "sd3"
 # flow_grpo's SD3 LoRA targets: the joint attention's projections of both streams (not the dual blocks' second,
@@ -22,34 +22,7 @@ LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.ad
                 "attn.add_v_proj", "attn.to_add_out")
 
 
-class SD3(FamilyBase):
-    def load_denoiser(self, path, *, dtype, device):
-        from diffusers import SD3Transformer2DModel
-
-        placement = {"device_map": {"": device}} if device.type == "cuda" else {}
-        return SD3Transformer2DModel.from_pretrained(Path(path) / "transformer", dtype=dtype, **placement)
-
-    def denoiser_config(self, path):
-        from diffusers import SD3Transformer2DModel
-
-        return SD3Transformer2DModel.load_config(Path(path) / "transformer")
-
-    def shard_units(self, denoiser):
-        return list(denoiser.transformer_blocks), True
-
-    def compiled_blocks(self, denoiser):
-        return list(denoiser.transformer_blocks)
-
-    def score_trajectory(self, denoiser, traj, steps, samples, *, flow_grpo_compat=False, uniform=False):
-        from app.models.sd3.model import score_trajectory
-
-        return score_trajectory(denoiser, traj, steps, samples=samples, flow_grpo_compat=flow_grpo_compat)
-
-    def forward_flops(self, config, traj):
-        from app.models.sd3.flops import trajectory_forward_flops
-
-        return trajectory_forward_flops(config, traj)
-
+class SD3(DiffusersFamily):
     def prompt_checker(self, path):
         """A prompt may take T5_MAX_LENGTH T5 tokens (its end token included): beyond them T5 would drop the rest
         silently. (CLIP's 77 tokens cut longer prompts in every SD3 pipeline; T5 carries the whole prompt.)"""
@@ -67,16 +40,6 @@ class SD3(FamilyBase):
 
         return prompt_fields_checker(problem)
 
-    def save_adapter(self, directory, tensors, *, rank, alpha, target_modules) -> Path:
-        """As diffusers writes LoRAs: `StableDiffusion3Pipeline.load_lora_weights(directory)` loads it."""
-        from diffusers import StableDiffusion3Pipeline
-
-        StableDiffusion3Pipeline.save_lora_weights(
-            directory, transformer_lora_layers=tensors,
-            transformer_lora_adapter_metadata={"r": rank, "lora_alpha": alpha,
-                                               "target_modules": sorted(target_modules)})
-        return Path(directory) / "pytorch_lora_weights.safetensors"
-
     def vllm_omni_guidance(self, request):
         from app.models.sd3.model import T5_MAX_LENGTH
 
@@ -85,6 +48,8 @@ class SD3(FamilyBase):
 
 FAMILY = SD3(
     name=NAME,
+    transformer_class="SD3Transformer2DModel",
+    pipeline_class="StableDiffusion3Pipeline",
     engines={VLLM_OMNI: "app.rollout.vllm_omni.engine.VllmOmniEngine",
              "diffusers": "app.rollout.sd3_engine.SD3Engine"},  # the parity oracle, on plain diffusers
     exact_engines=(VLLM_OMNI, "diffusers"),
