@@ -1,19 +1,20 @@
 """The trainer's update on the real transformer under FSDP2: milliseconds per image per trained step, and its MFU.
 
     python -m jobs.bench_train_step --config configs/qwen_image_ocr_2gpu.yaml model.path=DIR [--groups 2]
+    python -m jobs.bench_train_step --config configs/sd35m_ocr.yaml model.path=DIR data.prompts=ocr_tiny
 
 One process, one rank (a world of one: FSDP2 wraps the model as the Ray Train worker does), the run config's
 recipe: LoRA rank and targets, micro-batch, CFG, β·KL, gradient checkpointing. The batch is `--groups` groups of
-`rollout.group_size` sampled images in shape (random latents and prompt states: the cost does not depend on the
-values; `rollout.sde_window` places each group's window, whose steps are the ones trained), with old log-probs
-scored by the policy first (or, with `train.old_logprob=trainer`, by the first pass itself), so the first pass's
-ratios are 1 as in training: `ratio_dev_first_pass_max` says how exactly. `model.compile.enabled=true` compiles
-the blocks (the warm-up pass then includes compilation: `warmup_s`; `compile_frames_timed` counts compilations
-during the timed passes, 0 in steady state). Timed: one `app.train.update.train_pass` (forward, backward,
-clipping, optimizer step) after a warm-up pass; the figure is the median of --repeats passes (`--profile FILE`:
-one micro-batch of one trained step under the torch profiler, its GPU time by kind of kernel written to FILE as
-JSON). Useful FLOPs (app/flops.py): forward + input-gradient
-backward of both CFG branches, plus the reference forward when β > 0; gradient checkpointing's recomputation is
+`rollout.group_size` sampled images in shape (the family's `shaped_trajectory`: random latents and prompt states,
+the cost does not depend on the values; `rollout.sde_window` places each group's window, whose steps are the ones
+trained), with old log-probs scored by the policy first (or, with `train.old_logprob=trainer`, by the first pass
+itself), so the first pass's ratios are 1 as in training: `ratio_dev_first_pass_max` says how exactly.
+`model.compile.enabled=true` compiles the blocks (the warm-up pass then includes compilation: `warmup_s`;
+`compile_frames_timed` counts compilations during the timed passes, 0 in steady state). Timed: one
+`app.train.update.train_pass` (forward, backward, clipping, optimizer step) after a warm-up pass; the figure is the
+median of --repeats passes (`--profile FILE`: one micro-batch of one trained step under the torch profiler, its GPU
+time by kind of kernel written to FILE as JSON). Useful FLOPs (app/flops.py): forward + input-gradient backward of
+both CFG branches, plus the reference forward when β > 0; gradient checkpointing's recomputation is
 not counted. One JSON line.
 """
 
@@ -35,36 +36,22 @@ from app.config import load
 from app.flops import group_flops, mfu
 from app.metrics import Stats
 from app.models.compile import compile_counts
-from app.models.qwen_image import model as qwen_image
 from app.train.policy import Policy
 from app.train.update import make_optimizer, recompute_log_probs, train_pass
 from app.types import Trajectory
 from jobs.report import emit_json_line
 
-TEXT_TOKENS = 64  # prompt states per image (an OCR prompt under Qwen's template)
 
-
-def synthetic_group(config, group: int, text_dim: int, device_seed: int) -> Trajectory:
-    """A group shaped as the rollout would return it (CPU tensors), random values."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    rollout, gen = config.rollout, torch.Generator().manual_seed(device_seed + group)
-    n, steps = rollout.group_size, rollout.num_inference_steps
-    tokens = qwen_image.image_seq_len(rollout.height, rollout.width)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config.model.path, subfolder="scheduler")
-    timesteps, sigmas = qwen_image.schedule(scheduler, steps, tokens)
-    cfg = rollout.guidance_scale > 1
-    return Trajectory(
-        prompt=f"group {group}", group_id=group,
-        images=torch.zeros(n, rollout.height, rollout.width, 3, dtype=torch.uint8),
-        latents=torch.randn(n, steps + 1, tokens, 64, generator=gen), log_probs=torch.zeros(n, steps),
-        timesteps=timesteps, sigmas=sigmas, prompt_embeds=torch.randn(TEXT_TOKENS, text_dim, generator=gen),
-        prompt_mask=torch.ones(TEXT_TOKENS, dtype=torch.long), noise_level=rollout.noise_level,
-        sde_type=str(rollout.sde_type), seed=group, lora_version=0, height=rollout.height, width=rollout.width,
-        sde_window=rollout.sde_window.window(steps, seed=config.train.seed, group=group, step=0),
-        guidance_scale=rollout.guidance_scale,
-        negative_prompt_embeds=torch.randn(TEXT_TOKENS, text_dim, generator=gen) if cfg else None,
-        negative_prompt_mask=torch.ones(TEXT_TOKENS, dtype=torch.long) if cfg else None)
+def synthetic_group(config, family, denoiser_config, group: int, seed: int) -> Trajectory:
+    """A group shaped as the rollout would return it (CPU tensors), random values, its SDE window placed as the run
+    config places group `group`'s at step 0."""
+    rollout, steps = config.rollout, config.rollout.num_inference_steps
+    if not hasattr(family, "shaped_trajectory"):
+        raise SystemExit(f"jobs.bench_train_step: model.family={family.name} has no shaped_trajectory to bench on")
+    window = rollout.sde_window.window(steps, seed=config.train.seed, group=group, step=0)
+    request = rollout.request(f"group {group}", seed=group, group_id=group, sde_window=window)
+    return family.shaped_trajectory(config.model.path, request, denoiser_config,
+                                    torch.Generator().manual_seed(seed + group))
 
 
 KERNEL_KINDS = [  # (kind, substrings of CUDA kernel names), first match wins
@@ -98,13 +85,14 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     model, rollout, train = config.model, config.rollout, config.train
     policy = Policy.from_pretrained(model.path, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
-                                    target_modules=model.lora_targets, dtype=getattr(torch, model.dtype),
+                                    target_modules=model.lora_targets, family=str(model.family),
+                                    dtype=getattr(torch, model.dtype),
                                     device=device, seed=train.seed, shard=True,
                                     gradient_checkpointing=train.gradient_checkpointing, compile=model.compile,
                                     activation_memory_budget=train.activation_memory_budget)
     optimizer = make_optimizer(policy, train)
     shape = policy.transformer.config
-    batch = [synthetic_group(config, g, shape.joint_attention_dim, train.seed) for g in range(groups)]
+    batch = [synthetic_group(config, policy.family, shape, g, train.seed) for g in range(groups)]
     advantages = [torch.randn(t.group_size, generator=torch.Generator().manual_seed(g)) for g, t in enumerate(batch)]
     # old log-probs at the steps each pass trains, scored up front so that its first ratios are 1, as in training
     # (old_logprob=trainer: the first pass scores its own)

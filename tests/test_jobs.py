@@ -25,22 +25,24 @@ def test_bench_rollout_prints_one_json_line(tmp_path):
     assert result["batched_over_per_sample"] > 0 and "trajectory_overhead_pct" in result
 
 
-def test_bench_train_step_prints_one_json_line(tmp_path):
+@pytest.mark.parametrize("config,preset", [("tiny_cpu", "tiny"), ("tiny_sd3_cpu", "tiny-sd3")])
+def test_bench_train_step_prints_one_json_line(tmp_path, config, preset):
     """The trainer benchmark runs the real update (FSDP2 over a world of one, gloo on CPU) with gradient
-    checkpointing, as the GPU configs do, and profiles one micro-step."""
-    build = subprocess.run([sys.executable, "-m", "jobs.make_tiny_models", "--out", str(tmp_path / "tiny")],
-                           cwd=REPO, capture_output=True, text=True, timeout=600)
+    checkpointing, as the GPU configs do, and profiles one micro-step; for each diffusers family (its groups shaped
+    by the family)."""
+    build = subprocess.run([sys.executable, "-m", "jobs.make_tiny_models", "--preset", preset, "--out",
+                            str(tmp_path / "tiny")], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
     done = subprocess.run(
-        [sys.executable, "-m", "jobs.bench_train_step", "--config", "configs/tiny_cpu.yaml", "--groups", "1",
+        [sys.executable, "-m", "jobs.bench_train_step", "--config", f"configs/{config}.yaml", "--groups", "1",
          "--repeats", "1", "--profile", str(tmp_path / "profile.json"), f"model.path={tmp_path / 'tiny'}",
-         "train.gradient_checkpointing=true"],
+         "train.gradient_checkpointing=true", "rollout.guidance_scale=4.5"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1
     result = json.loads(lines[0])
-    assert result["gradient_checkpointing"] is True
+    assert result["gradient_checkpointing"] is True and result["cfg"] == 4.5
     assert result["pass_s"] > 0 and result["ms_per_image_step"] > 0
     assert result["images"] == 4 and result["trained_steps"] >= 1
     profile = json.loads((tmp_path / "profile.json").read_text())  # GPU kernels only: none on a CPU

@@ -150,6 +150,11 @@ class DiffusersFamily(FamilyBase):
     def forward_flops(self, config, traj):
         return self._part("flops").trajectory_forward_flops(config, traj)
 
+    def shaped_trajectory(self, path, request, config, generator):
+        """A group shaped as the rollout returns it for `request`, random values: what `jobs.bench_train_step`
+        trains on (the cost does not depend on the values). `config`: the denoiser's (`denoiser_config`)."""
+        return self._part("model").shaped_trajectory(path, request, config, generator)
+
     def save_adapter(self, directory, tensors, *, rank, alpha, target_modules) -> Path:
         """As diffusers writes LoRAs: the pipeline's `load_lora_weights(directory)` loads it."""
         self._diffusers(self.pipeline_class).save_lora_weights(

@@ -19,7 +19,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from app.algo.sampling import Velocity, score_steps
 from app.algo.sde import SDEStepOutput
-from app.types import Trajectory
+from app.types import GenerationRequest, Trajectory
 
 VAE_SCALE_FACTOR = 8  # 2 ** len(temperal_downsample) of the Qwen-Image VAE
 PATCH = 2  # latents are packed 2x2 into tokens
@@ -155,3 +155,27 @@ def decode_images(vae, latents: torch.Tensor, height: int, width: int) -> torch.
     image = vae.decode(x, return_dict=False)[0][:, :, 0]  # [n, 3, H, W] in [-1, 1]
     image = (image / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
     return torch.from_numpy((image * 255).round().astype("uint8"))
+
+
+def shaped_trajectory(path, request: GenerationRequest, config, generator: torch.Generator,
+                      text_tokens: int = 64) -> Trajectory:
+    """A group shaped as the rollout returns it for `request`, random values (benchmarks: the cost does not depend
+    on them); `config` is the transformer's, `text_tokens` the prompt's states (an OCR prompt under Qwen's
+    template: about 64)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    n, steps = request.n, request.num_inference_steps
+    tokens = image_seq_len(request.height, request.width)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+    timesteps, sigmas = schedule(scheduler, steps, tokens)
+
+    def states():
+        return torch.randn(text_tokens, config["joint_attention_dim"], generator=generator)
+
+    mask = torch.ones(text_tokens, dtype=torch.long)
+    return Trajectory.sampled(
+        request, seed=request.seed, lora_version=0, images=torch.zeros(n, request.height, request.width, 3,
+                                                                        dtype=torch.uint8),
+        latents=torch.randn(n, steps + 1, tokens, config["in_channels"], generator=generator),
+        log_probs=torch.zeros(n, steps), timesteps=timesteps, sigmas=sigmas, prompt_embeds=states(), prompt_mask=mask,
+        negative_prompt_embeds=states() if request.do_cfg else None, negative_prompt_mask=mask)

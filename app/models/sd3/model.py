@@ -21,7 +21,7 @@ import torch
 
 from app.algo.sampling import Velocity, score_steps
 from app.algo.sde import SDEStepOutput
-from app.types import Trajectory
+from app.types import GenerationRequest, Trajectory
 
 VAE_SCALE_FACTOR = 8  # 2 ** (len(block_out_channels) - 1) of SD3's VAE
 PATCH = 2  # the MMDiT's patch size: a 512² image is 64x64 latents, 32x32 = 1024 image tokens
@@ -117,3 +117,30 @@ def decode_images(vae, latents: torch.Tensor) -> torch.Tensor:
     image = vae.decode(x, return_dict=False)[0]  # [n, 3, H, W] in [-1, 1]
     image = (image / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
     return torch.from_numpy((image * 255).round().astype("uint8"))
+
+
+def shaped_trajectory(path, request: GenerationRequest, config, generator: torch.Generator) -> Trajectory:
+    """A group shaped as the rollout returns it for `request`, random values (benchmarks: the cost does not depend
+    on them); `config` is the transformer's."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    n, steps = request.n, request.num_inference_steps
+    timesteps, sigmas = schedule(FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler"), steps)
+    text = 77 + T5_MAX_LENGTH
+
+    def states():
+        return torch.randn(text, config["joint_attention_dim"], generator=generator)
+
+    def pooled():
+        return torch.randn(config["pooled_projection_dim"], generator=generator)
+
+    mask = torch.ones(text, dtype=torch.long)
+    conditioning = {POOLED: pooled(), **({NEGATIVE_POOLED: pooled()} if request.do_cfg else {})}
+    return Trajectory.sampled(
+        request, seed=request.seed, lora_version=0, family="sd3",
+        images=torch.zeros(n, request.height, request.width, 3, dtype=torch.uint8),
+        latents=torch.randn(n, steps + 1, *latent_shape(request.height, request.width, config["in_channels"]),
+                            generator=generator),
+        log_probs=torch.zeros(n, steps), timesteps=timesteps, sigmas=sigmas, prompt_embeds=states(), prompt_mask=mask,
+        negative_prompt_embeds=states() if request.do_cfg else None, negative_prompt_mask=mask,
+        conditioning=conditioning)
