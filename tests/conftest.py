@@ -118,14 +118,6 @@ def diffusers_engine(tiny_model_dir, aio):
 
 
 @pytest.fixture(scope="session")
-def sd3_vllm_engine(tiny_sd3_dir, aio):
-    """The real vllm-omni engine serving the tiny SD3 through our FlowGRPO SD3 pipeline."""
-    from app.rollout.vllm_omni.engine import VllmOmniEngine
-
-    yield from _started(VllmOmniEngine(tiny_sd3_dir, family="sd3"), aio)
-
-
-@pytest.fixture(scope="session")
 def sd3_engine(tiny_sd3_dir, aio):
     """The tiny SD3 on plain diffusers (the parity oracle)."""
     from app.rollout.sd3_engine import SD3Engine
