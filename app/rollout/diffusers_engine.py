@@ -15,6 +15,7 @@ import os
 import torch
 
 from app.algo.sampling import sample_trajectory
+from app.models.family import get_family
 from app.models.qwen_image import FAMILY
 from app.models.qwen_image import model as qwen_image
 from app.rollout.local_engine import LocalEngine
@@ -35,12 +36,13 @@ class DiffusersEngine(LocalEngine):
         self.pipe = None
 
     def load_model(self) -> None:
-        from diffusers import QwenImagePipeline
+        import diffusers
 
+        pipeline = getattr(diffusers, get_family(self.family).pipeline_class)  # the family's diffusers pipeline
         if self.device.type == "cuda":  # straight to the GPU: a 20B model never sits in host memory
-            pipe = QwenImagePipeline.from_pretrained(self.model_path, dtype=self.dtype, device_map="cuda")
+            pipe = pipeline.from_pretrained(self.model_path, dtype=self.dtype, device_map="cuda")
         else:
-            pipe = QwenImagePipeline.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+            pipe = pipeline.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe
 

@@ -1,10 +1,10 @@
 """Stable Diffusion 3 on plain diffusers: the parity oracle for vllm-omni's SD3 pipeline, and the engine where vllm
 cannot be installed (the lent GPU machine). `rollout.engine: diffusers` with `model.family: sd3`.
 
-The Qwen-Image engine's machinery (app/rollout/diffusers_engine.py: text-only requests, the per-sample mode, the
-LoRA as a peft adapter of the transformer) with SD3's components: `StableDiffusion3Pipeline`'s three text encoders, the
-operations of app/models/sd3/model.py, the shared sample loop (`app.algo.sampling`) and per-sample noise
-(app/rollout/seeding.py).
+The Qwen-Image engine's machinery (app/rollout/diffusers_engine.py: loading the family's pipeline, text-only
+requests, the per-sample mode, the LoRA as a peft adapter of the transformer) with SD3's components:
+`StableDiffusion3Pipeline`'s three text encoders, the operations of app/models/sd3/model.py, the shared sample loop
+(`app.algo.sampling`) and per-sample noise (app/rollout/seeding.py).
 """
 
 from __future__ import annotations
@@ -22,16 +22,6 @@ from app.types import GenerationRequest, Trajectory
 class SD3Engine(DiffusersEngine):
     kind = "diffusers"
     family = FAMILY.name
-
-    def load_model(self) -> None:
-        from diffusers import StableDiffusion3Pipeline
-
-        if self.device.type == "cuda":  # straight to the GPU
-            pipe = StableDiffusion3Pipeline.from_pretrained(self.model_path, dtype=self.dtype, device_map="cuda")
-        else:
-            pipe = StableDiffusion3Pipeline.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
-        pipe.set_progress_bar_config(disable=True)
-        self.pipe = pipe
 
     @torch.no_grad()
     def _encode(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:

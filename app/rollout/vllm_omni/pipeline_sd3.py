@@ -42,10 +42,9 @@ class FlowGRPOSD3Pipeline(RecordingPipeline, StagedLoraPipeline, StableDiffusion
             return super().forward(req)
         outputs = self.record(req, rec)
         latents, log_probs, timesteps, sigmas = rec.result()  # [B, T+1, C, h, w], [B, T], [T], [T+1]
-        n = rec.samples_per_prompt
+        n, (embeds, pooled) = rec.samples_per_prompt, rec.encodings[0]
+        mask = torch.ones(embeds.shape[1], dtype=torch.long)  # SD3 attends every text position
         for r, out in enumerate(outputs):
-            embeds, pooled = rec.encodings[0]
-            mask = torch.ones(embeds.shape[1], dtype=torch.long)  # SD3 attends every text position
             fields = {"prompt_embeds": embeds[r].float().cpu(), "prompt_mask": mask,
                       "conditioning": {POOLED: pooled[r].float().cpu()}}
             if len(rec.encodings) > 1:  # CFG
