@@ -4,6 +4,8 @@ policy scores it as the rollout recorded it when scored in micro-batches of the 
 trains). Runs on the lent GPU machine; deselected elsewhere. (On the CPU, one block of the real width in fp32: the
 engine's log-probs equal the trainer's exactly, 0.0, checked by hand when the builder was written.)"""
 
+import os
+
 import pytest
 import torch
 
@@ -19,6 +21,8 @@ TOLERANCE = 1e-3  # bf16 rollout vs bf16 trainer, same batch size (tests/train/t
 
 @pytest.fixture(scope="module")
 def sd35_medium(tmp_path_factory):
+    if os.environ.get("SD35M_PATH"):  # a checkpoint `jobs.make_tiny_models --preset sd35-medium` already built
+        return os.environ["SD35M_PATH"]
     return build_random_sd35_medium(tmp_path_factory.mktemp("sd35m") / "model", seed=0, device="cuda")
 
 

@@ -14,32 +14,39 @@ PATHS=(model.path=$MODEL data.prompts=ocr_tiny rollout.engine=diffusers)
 EAGER=(model.compile.enabled=false train.old_logprob=rollout)
 COMPILED=(model.compile.cache_dir=$CACHE)
 # both halves on one GPU: one rollout replica and one training worker, half the GPU each; the reward on CPUs
-ONE_GPU=(cluster.address=null rollout.num_replicas=1 rollout.replica_num_gpus=0.5 cluster.num_workers=1
-         cluster.worker_num_gpus=0.5 reward.num_replicas=2 train.groups_per_step=2 train.checkpoint_every=0
+ONE_GPU=(cluster.address=null rollout.num_replicas=1 rollout.replica_num_gpus=0.5 rollout.replica_num_cpus=2 cluster.num_workers=1
+         cluster.worker_num_gpus=0.5 reward.num_replicas=2 reward.replica_num_cpus=2 train.groups_per_step=2 train.checkpoint_every=0
          logging.image_every=0 eval.every=0)
+MODES=${MODES:-eager compiled}   # the benches' modes, one process each; MODES=compiled saves device time
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 case "$1" in
   build)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
     python -m jobs.make_tiny_models --preset sd35-medium --out $MODEL 2>&1 | tail -1
-    python -m pytest -q -p no:cacheprovider tests/train/test_sd3_real_size_gpu.py -s 2>&1 \
+    SD35M_PATH=$MODEL python -m pytest -q -p no:cacheprovider tests/train/test_sd3_real_size_gpu.py -s 2>&1 \
       | grep -E "mismatch|passed|failed|Error" | tee "$OUT/gpu_tests.txt" ;;
   rollout)  # groups of 24 at 512², CFG 4.5, 10 steps (the recipe), eager then compiled
-    for mode in eager compiled; do
+    for mode in $MODES; do
       extra=("${EAGER[@]}"); [ $mode = compiled ] && extra=("${COMPILED[@]}")
-      python -m jobs.bench_rollout --config configs/sd35m_ocr.yaml --groups 2 --repeats 3 --batched-only \
-        "${PATHS[@]}" "${extra[@]}" 2>/dev/null | tail -1 | tee -a "$OUT/bench_rollout.jsonl"
-    done ;;
+      timeout ${BENCH_TIMEOUT:-300} python -m jobs.bench_rollout --config configs/sd35m_ocr.yaml --groups 2 --repeats 3 --batched-only \
+        "${PATHS[@]}" "${extra[@]}" 2>"$OUT/$1_$mode.err" | tail -1 | tee -a "$OUT/bench_rollout.jsonl"
+    done; tail -n 4 "$OUT"/$1_*.err ;;
   train_step)  # one group of 24, 9 of 10 steps trained, CFG 4.5, KL, checkpointing: eager then compiled
-    for mode in eager compiled; do
+    for mode in $MODES; do
       extra=("${EAGER[@]}"); [ $mode = compiled ] && extra=("${COMPILED[@]}")
-      python -m jobs.bench_train_step --config configs/sd35m_ocr.yaml --groups 1 --repeats 3 \
-        "${PATHS[@]}" "${extra[@]}" 2>/dev/null | tail -1 | tee -a "$OUT/bench_train_step.jsonl"
-    done ;;
+      timeout ${BENCH_TIMEOUT:-420} python -m jobs.bench_train_step --config configs/sd35m_ocr.yaml --groups 1 \
+        --repeats ${REPEATS:-3} \
+        "${PATHS[@]}" "${extra[@]}" 2>"$OUT/$1_$mode.err" | tail -1 | tee -a "$OUT/bench_train_step.jsonl"
+    done; tail -n 4 "$OUT"/$1_*.err ;;
   job_full|job_fast)  # jobs.train, the recipe on one GPU: s/step, img/s/GPU, effective MFU, first-pass ratio
     config=configs/sd35m_ocr.yaml; [ "$1" = job_fast ] && config=configs/sd35m_ocr_fast.yaml
     timeout ${JOB_TIMEOUT:-540} python -m jobs.train --config $config "${PATHS[@]}" "${ONE_GPU[@]}" \
       "${COMPILED[@]}" train.num_steps=${2:-8} logging.dir=/tmp/runs/$1 > "$OUT/$1.log" 2>&1
-    echo "exit $?"; cp /tmp/runs/$1/metrics.jsonl "$OUT/$1_metrics.jsonl"; tail -5 "$OUT/$1.log" ;;
+    echo "exit $?"; cp /tmp/runs/$1/metrics.jsonl "$OUT/$1_metrics.jsonl"; tail -5 "$OUT/$1.log"
+    python -c "import json,sys
+for line in open(sys.argv[1]):
+    m = json.loads(line); print({k: round(v, 4) for k, v in m.items() if k in ('step', 'timing/step_s', 'timing/rollout_s',
+        'timing/train_s', 'perf/images_per_s', 'perf/images_per_s_per_gpu', 'perf/mfu', 'perf/gpu_idle_share', 'actor/ratio_dev_first_pass_max', 'reward/mean')})" \
+      "$OUT/$1_metrics.jsonl" ;;
 esac
