@@ -41,8 +41,9 @@ case "$1" in
     done; tail -n 4 "$OUT"/$1_*.err ;;
   job_full|job_fast)  # jobs.train, the recipe on one GPU: s/step, img/s/GPU, effective MFU, first-pass ratio
     config=configs/sd35m_ocr.yaml; [ "$1" = job_fast ] && config=configs/sd35m_ocr_fast.yaml
+    mode=("${COMPILED[@]}"); [ "${MODE:-compiled}" = eager ] && mode=("${EAGER[@]}")
     timeout ${JOB_TIMEOUT:-540} python -m jobs.train --config $config "${PATHS[@]}" "${ONE_GPU[@]}" \
-      "${COMPILED[@]}" train.num_steps=${2:-8} logging.dir=/tmp/runs/$1 > "$OUT/$1.log" 2>&1
+      "${mode[@]}" train.num_steps=${2:-8} logging.dir=/tmp/runs/$1 > "$OUT/$1.log" 2>&1
     echo "exit $?"; cp /tmp/runs/$1/metrics.jsonl "$OUT/$1_metrics.jsonl"; tail -5 "$OUT/$1.log"
     python -c "import json,sys
 for line in open(sys.argv[1]):
