@@ -212,6 +212,7 @@ class RewardConfig:
     # read the same text without it at a fraction of the cost
     ocr_detect_min_side: int = DETECT_MIN_SIDE
     num_replicas: int = 1
+    # CPUs of each replica; the OCR reward reads that many images at once (one engine per CPU)
     replica_num_cpus: float = 1.0
     # concurrent groups one replica scores in one call (Serve's @serve.batch)
     max_batch_size: int = 8

@@ -10,13 +10,18 @@ from app.config import RewardConfig
 from app.rewards import RewardScores, build_reward
 
 
+def ocr_options(reward: RewardConfig) -> dict:
+    """The OCR reward's settings: one engine per CPU the replica holds (Ray reserves them; one engine uses one)."""
+    return {"detect_min_side": reward.ocr_detect_min_side, "threads": max(1, int(reward.replica_num_cpus))}
+
+
 class RewardScorer:
     def __init__(self, reward: RewardConfig, *, torch_threads: int | None = 1, log_level: str = "INFO"):
         if torch_threads:
             import torch
 
             torch.set_num_threads(torch_threads)
-        self.reward = build_reward(reward.weights, {"ocr": {"detect_min_side": reward.ocr_detect_min_side}})
+        self.reward = build_reward(reward.weights, {"ocr": ocr_options(reward)})
         logging.getLogger("RapidOCR").setLevel(log_level)  # its own handler, INFO by default
         self.scored = 0
 

@@ -59,3 +59,15 @@ def test_bench_publish_swap_prints_one_json_line():
     result = json.loads(line)
     assert result["tensors"] == 24 and result["layers"] == 1
     assert result["first_attach_s"] > 0 and result["peft_set_state_dict_s"] > 0 and result["fused_copy_s"] > 0
+
+
+def test_bench_ocr_prints_one_json_line(capfd):
+    """The reward replica's OCR throughput by CPUs, run in this process (no Ray, no engine): both thread counts
+    read the same scores."""
+    from jobs.bench_ocr import main
+
+    assert main(["--threads", "1", "2", "--images", "3", "--size", "128", "--repeats", "1"]) == 0
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1])
+    assert result["same_scores"] is True and result["mean_score"] > 0.5
+    assert set(result["images_per_s"]) == {"1", "2"} and result["speedup"]["1"] == 1.0

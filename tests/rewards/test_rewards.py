@@ -42,6 +42,24 @@ def test_a_smaller_detector_side_reads_the_same_text_from_small_images(ocr):
         OcrReward(detect_min_side=16)
 
 
+def test_engines_in_parallel_read_what_one_engine_reads_in_order(ocr):
+    """A replica of 3 CPUs reads with 3 engines at once: the texts and scores of a batch (more images than engines,
+    not a multiple of them) are the one engine's, image for image; the replica gives the reward its CPUs."""
+    words = ["OPEN", "RAY", "HELLO", "GRPO 7", "CLOSED", "SALE", "EXIT"]
+    images = np.stack([render(w) for w in words[:6]] + [noise()])
+    prompts = [f'a sign that says "{w}"' for w in words]
+    parallel = OcrReward(threads=3)
+    assert parallel.score_and_read(images, prompts) == ocr.score_and_read(images, prompts)
+    assert parallel.read_all(images)[:2] == ["OPEN", "RAY"] and parallel.read_all(images)[6] == ""
+    with pytest.raises(ValueError, match="at least one engine"):
+        OcrReward(threads=0)
+    from app.config import RewardConfig
+    from deployments.reward import ocr_options
+
+    assert ocr_options(RewardConfig(replica_num_cpus=4))["threads"] == 4
+    assert ocr_options(RewardConfig(replica_num_cpus=0.25))["threads"] == 1  # the tiny configs: one engine
+
+
 def test_ocr_score_by_hand():
     """target "OPEN 24H" → "open24h" (7 chars). "OPEN 2H" → "open2h": distance 1 → 1 − 1/7 = 0.857143;
     contained ("we are open 24h") → 1; nothing read → 1 − 7/7 = 0; no quotes in the prompt → 0."""
