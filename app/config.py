@@ -401,6 +401,20 @@ class RunConfig:
     def app(self) -> AppConfig:
         return AppConfig(model=self.model, rollout=self.rollout, reward=self.reward, serve=self.serve)
 
+    def resources(self) -> dict[str, dict[str, float]]:
+        """What the run's processes reserve on the Ray cluster, part by part: {part: {"CPU": n, "GPU": n}}
+        (the Serve application's deployments and the training workers; Ray's and Serve's own actors take none)."""
+        ro, rw, cl = self.rollout, self.reward, self.cluster
+        return {
+            f"rollout ({ro.num_replicas} x rollout.replica_num_cpus/gpus)":
+                {"CPU": ro.num_replicas * ro.replica_num_cpus, "GPU": ro.num_replicas * ro.replica_num_gpus},
+            f"reward ({rw.num_replicas} x reward.replica_num_cpus)": {"CPU": rw.num_replicas * rw.replica_num_cpus},
+            "HTTP ingress (serve.api_num_cpus)": {"CPU": self.serve.api_num_cpus},
+            f"training ({cl.num_workers} x cluster.worker_num_cpus/gpus)":
+                {"CPU": cl.num_workers * cl.worker_num_cpus,
+                 "GPU": cl.num_workers * cl.worker_num_gpus if cl.use_gpu else 0.0},
+        }
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:

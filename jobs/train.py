@@ -111,6 +111,22 @@ def start_ray(config: RunConfig):
     return context
 
 
+def resource_shortfall(config: RunConfig, available: dict[str, float]) -> str | None:
+    """None when the cluster's resources hold everything the run reserves; else a message naming what is
+    short, the parts that need it and the keys that set them (Ray would otherwise wait for them forever)."""
+    parts = config.resources()
+    short = []
+    for kind in ("CPU", "GPU"):
+        need = sum(p.get(kind, 0.0) for p in parts.values())
+        have = float(available.get(kind, 0.0))
+        if need > have + 1e-9:
+            where = ", ".join(f"{name} {p[kind]:g}" for name, p in parts.items() if p.get(kind, 0.0) > 0)
+            short.append(f"{need:g} {kind}s ({where}) but the cluster has {have:g}")
+    if not short:
+        return None
+    return "the run reserves " + "; and ".join(short) + ": lower those settings or use a larger cluster"
+
+
 def deploy_serve_app(config: RunConfig, app_name: str | None = None):
     """Deploy the rollout/reward application of `config` as `app_name` (default: deployments.builders.APP_NAME);
     its (Rollout, Reward, Adapters) handles."""
@@ -235,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     context = start_ray(config)
+    import ray
+
+    shortfall = resource_shortfall(config, ray.cluster_resources())
+    if shortfall and config.cluster.address is None:  # the local cluster this job started cannot grow
+        print(f"error: {shortfall}", file=sys.stderr)
+        return 2
+    if shortfall:  # an existing cluster may add nodes (an autoscaler): say so and go on
+        print(f"warning: {shortfall} now; the run waits until it has them", file=sys.stderr, flush=True)
     print(startup_summary(config, run_dir, getattr(context, "dashboard_url", None), resume=args.resume), flush=True)
     from ray import serve
 

@@ -308,3 +308,21 @@ def test_the_sd35_medium_recipes_are_flow_grpo_s():
     assert (full.rollout.guidance_scale, full.rollout.noise_level, full.train.kl_beta) == (4.5, 0.7, 0.04)
     assert full.model.lora_targets == list(get_family("sd3").lora_targets)
     assert fast.rollout.guidance_scale == 1.0 and fast.rollout.sde_window.size == 2 and fast.rollout.sde_type == "cps"
+
+
+def test_the_one_gpu_plan_fits_one_gpu_and_16_cpus_and_the_8_gpu_recipe_does_not():
+    """`RunConfig.resources` adds up what jobs.train reserves; the job refuses a local cluster it cannot fit
+    (jobs/train.py `resource_shortfall`). docs/perf/sd3/gpu_runs.sh's one-GPU overrides fit the lent machine."""
+    from jobs.train import resource_shortfall
+
+    one_gpu = ["model.path=/models/sd35m", "data.prompts=ocr_tiny", "rollout.num_replicas=1",
+               "rollout.replica_num_gpus=0.5", "rollout.replica_num_cpus=2", "cluster.num_workers=1",
+               "cluster.worker_num_gpus=0.5", "reward.num_replicas=2", "reward.replica_num_cpus=2"]
+    machine = {"CPU": 16.0, "GPU": 1.0}
+    planned = load("configs/sd35m_ocr.yaml", one_gpu).resources()
+    assert sum(p["CPU"] for p in planned.values()) == 2 + 4 + 0.25 + 4
+    assert sum(p.get("GPU", 0) for p in planned.values()) == 1.0
+    assert resource_shortfall(load("configs/sd35m_ocr.yaml", one_gpu), machine) is None
+    message = resource_shortfall(load("configs/sd35m_ocr.yaml", one_gpu[:2]), machine)
+    assert "8 GPUs (rollout (4 x rollout.replica_num_cpus/gpus) 4, training (4 x cluster.worker_num_cpus/gpus) 4)" \
+        in message and "48.25 CPUs" in message and "but the cluster has 1:" in message

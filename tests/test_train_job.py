@@ -30,6 +30,16 @@ def test_bad_config_is_one_line_naming_the_key_and_starts_nothing(tmp_path, over
     assert not run_dir.exists() and "Ray" not in done.stdout + done.stderr  # nothing was started or written
 
 
+def test_a_run_larger_than_its_local_cluster_is_refused_naming_the_parts(tmp_path):
+    """Reward replicas asking for more CPUs than the machine has: Ray would leave them pending forever; the job
+    stops once its local cluster is up, before deploying anything, and names what reserves the CPUs."""
+    done = run_job(f"logging.dir={tmp_path / 'run'}", "reward.replica_num_cpus=512", timeout=180)
+    assert done.returncode == 2, done.stderr[-3000:]
+    error = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and "reward (2 x reward.replica_num_cpus) 1024" in error[0], done.stderr[-3000:]
+    assert "CPUs" in error[0] and "GPUs" not in error[0] and "deploying" not in done.stdout
+
+
 @pytest.mark.parametrize("job", ["jobs.train", "jobs.evaluate"])
 def test_a_config_file_that_does_not_exist_is_one_line_naming_it(job):
     done = subprocess.run([sys.executable, "-m", job, "--config", "configs/nonexistent.yaml"], cwd=REPO,
