@@ -127,8 +127,8 @@ def test_a_new_process_compiles_from_the_shared_cache(tiny_model_dir, tmp_path):
     script = f"""
 import json, torch
 torch.set_num_threads(1)  # as the test processes: inductor's CPU kernels depend on the thread count
-from torch._dynamo.utils import counters
 from app.config import CompileConfig
+from app.models.compile import compile_counts
 from tests.train.test_compiled import ROLLOUT, FIRST, _adapter, _pass, _policy
 from app.rollout.diffusers_engine import DiffusersEngine
 settings = CompileConfig(enabled=True, cache_dir={str(tmp_path / "compile_cache")!r})
@@ -138,7 +138,8 @@ engine.load()
 engine._load_lora(adapter)
 traj = engine.sample(ROLLOUT.request(FIRST, seed=5, group_id=0))
 stats, _, _ = _pass(_policy({str(tiny_model_dir)!r}, adapter, compile=settings), traj)
-print(json.dumps({{"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
+counts = compile_counts()
+print(json.dumps({{"hit": counts["fx_hits"], "miss": counts["fx_misses"], "aot_hit": counts["aot_hits"],
                   "ratio": stats["actor/ratio_dev_first_pass_max"]}}))
 """
     results = []
@@ -149,4 +150,5 @@ print(json.dumps({{"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": cou
     cold, warm = results
     assert cold["miss"] >= 3, cold  # engine forward; policy forward, backward, reference
     assert warm["hit"] >= cold["miss"] and warm["miss"] == 0, warm
+    assert cold["aot_hit"] == 0 and warm["aot_hit"] >= 1, (cold, warm)  # AOTAutograd's pairs come back too
     assert cold["ratio"] == warm["ratio"] == 0.0

@@ -48,6 +48,6 @@ case "$1" in
     python -c "import json,sys
 for line in open(sys.argv[1]):
     m = json.loads(line); print({k: round(v, 4) for k, v in m.items() if k in ('step', 'timing/step_s', 'timing/rollout_s',
-        'timing/train_s', 'perf/images_per_s', 'perf/images_per_s_per_gpu', 'perf/mfu', 'perf/gpu_idle_share', 'actor/ratio_dev_first_pass_max', 'reward/mean')})" \
+        'timing/train_s', 'perf/images_per_s', 'perf/images_per_s_per_gpu', 'perf/mfu', 'perf/gpu_idle_share', 'actor/ratio_dev_first_pass_max', 'reward/mean') or k.startswith('compile/')})" \
       "$OUT/$1_metrics.jsonl" ;;
 esac
