@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from app.config import load
 from app.flops import group_flops, mfu
-from app.models.compile import compile_counts
+from app.models.compile import cache_counts, compile_counts
 from app.models.family import get_family
 from deployments.rollout import make_engine
 from jobs.report import emit_json_line
@@ -77,7 +77,7 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False) -
         "dtype": str(config.model.dtype), "compiled": engine.compiled,
         "compile_mode": str(config.model.compile.mode) if engine.compiled else None,
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
-        "compile_cache": {k: v for k, v in compile_counts().items() if k not in ("frames", "graphs")},
+        "compile_cache": cache_counts(),
         "batched_images_per_s": round(images / batched, 2),
         **({} if batched_only else {
             "per_sample_images_per_s": round(images / per_sample, 2),

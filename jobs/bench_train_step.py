@@ -35,7 +35,7 @@ from app.algo.timesteps import trained_steps
 from app.config import load
 from app.flops import group_flops, mfu
 from app.metrics import Stats
-from app.models.compile import compile_counts
+from app.models.compile import cache_counts, compile_counts
 from app.train.policy import Policy
 from app.train.update import make_optimizer, recompute_log_probs, train_pass
 from app.types import Trajectory
@@ -152,7 +152,7 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
         "activation_memory_budget": train.activation_memory_budget, "old_logprob": str(train.old_logprob),
         "fused_optimizer": bool(optimizer.defaults.get("fused")),
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
-        "compile_cache": {k: v for k, v in compile_counts().items() if k not in ("frames", "graphs")},
+        "compile_cache": cache_counts(),
         "ratio_dev_first_pass_max": stats.result().get("actor/ratio_dev_first_pass_max"),
         "pass_s": round(seconds, 3), "ms_per_image_step": round(1000 * seconds / (images * trained), 1),
         "useful_tflops": round(useful / seconds / 1e12, 1), "mfu": round(mfu(useful, seconds, 1), 4) if cuda else None,

@@ -100,13 +100,19 @@ def apply_compile(module: Any, family: Any, settings: Any) -> int:
 
 def compile_counts() -> dict[str, int]:
     """This process's dynamo counters: frames compiled (`frames`: every compilation, recompiles included) and
-    distinct graphs (steady state means neither grows), and the shared cache's hits and misses: inductor's FX
-    graphs (`fx_hits`, `fx_misses`) and AOTAutograd's forward/backward pairs (`aot_hits`, `aot_misses`). A warm
-    start shows hits and no misses; what a hit saves is code generation, not dynamo's tracing."""
+    distinct graphs. Steady state means neither grows."""
     from torch._dynamo.utils import counters
 
-    return {"frames": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"]),
-            "fx_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+    return {"frames": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"])}
+
+
+def cache_counts() -> dict[str, int]:
+    """This process's hits and misses of the shared cache: inductor's FX graphs (`fx_hits`, `fx_misses`) and
+    AOTAutograd's forward/backward pairs (`aot_hits`, `aot_misses`). A warm start shows hits and no misses; what a
+    hit saves is code generation, not dynamo's tracing."""
+    from torch._dynamo.utils import counters
+
+    return {"fx_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
             "fx_misses": int(counters["inductor"]["fxgraph_cache_miss"]),
             "aot_hits": int(counters["aot_autograd"]["autograd_cache_hit"]),
             "aot_misses": int(counters["aot_autograd"]["autograd_cache_miss"])}

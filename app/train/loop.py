@@ -39,7 +39,7 @@ from app.config import RunConfig
 from app.console import quiet_this_process
 from app.flops import group_flops
 from app.metrics import PhaseTimer, Stats, busy_shares, reduce_over_workers, reward_metrics, throughput
-from app.models.compile import compile_counts
+from app.models.compile import cache_counts, compile_counts
 from app.rollout.client import BlockingRolloutClient, RolloutClient, ScoredGroup
 from app.train import checkpoint
 from app.train.evaluation import RunEvaluator, eval_due
@@ -157,10 +157,9 @@ def _worker_metrics(worker: Worker, step: int, groups: list[ScoredGroup], stats:
            "timing/reward_wait_s_max": max(0.0, max(s.scored_at for s in groups) - max(s.generated_at for s in groups)),
            "memory/rollout_peak_gib_max": max(s.trajectory.producer.get("gpu_peak_gib", 0.0) for s in groups)}
     if worker.policy.compiled:  # compilations so far (steady state: neither grows from step to step)
-        counts = compile_counts()
-        out["compile/trainer_frames_max"] = float(counts["frames"])
-        for name in ("fx_hits", "fx_misses", "aot_hits", "aot_misses"):  # the shared cache, this worker's process
-            out[f"compile/trainer_{name}_max"] = float(counts[name])
+        out["compile/trainer_frames_max"] = float(compile_counts()["frames"])
+        for name, count in cache_counts().items():  # the shared cache, as this worker's process met it
+            out[f"compile/trainer_{name}_max"] = float(count)
         out["compile/rollout_frames_max"] = float(max(s.trajectory.producer.get("compile_frames", 0) for s in groups))
     if torch.cuda.is_available():
         out["memory/trainer_peak_gib_max"] = torch.cuda.max_memory_allocated() / 2**30

@@ -128,7 +128,7 @@ def test_a_new_process_compiles_from_the_shared_cache(tiny_model_dir, tmp_path):
 import json, torch
 torch.set_num_threads(1)  # as the test processes: inductor's CPU kernels depend on the thread count
 from app.config import CompileConfig
-from app.models.compile import compile_counts
+from app.models.compile import cache_counts
 from tests.train.test_compiled import ROLLOUT, FIRST, _adapter, _pass, _policy
 from app.rollout.diffusers_engine import DiffusersEngine
 settings = CompileConfig(enabled=True, cache_dir={str(tmp_path / "compile_cache")!r})
@@ -138,7 +138,7 @@ engine.load()
 engine._load_lora(adapter)
 traj = engine.sample(ROLLOUT.request(FIRST, seed=5, group_id=0))
 stats, _, _ = _pass(_policy({str(tiny_model_dir)!r}, adapter, compile=settings), traj)
-counts = compile_counts()
+counts = cache_counts()
 print(json.dumps({{"hit": counts["fx_hits"], "miss": counts["fx_misses"], "aot_hit": counts["aot_hits"],
                   "ratio": stats["actor/ratio_dev_first_pass_max"]}}))
 """
