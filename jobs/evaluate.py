@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     context = start_ray(config)
     ev = config.eval
     print(f"ray-flowgrpo: evaluating {len(names)} column(s) ({', '.join(names)}) of {config.model.family} "
-          f"{config.model.path} on {ev.prompts} ({len(prompts)} prompts x {ev.images_per_prompt} images, noise level "
+          f"{config.model.path} ({config.rollout.engine} engine) on {ev.prompts} ({len(prompts)} prompts x "
+          f"{ev.images_per_prompt} images, noise level "
           f"{ev.noise_level:g})" + (f"; Ray dashboard http://{context.dashboard_url}"
                                      if getattr(context, "dashboard_url", None) else ""), flush=True)
     try:

@@ -1,6 +1,10 @@
 """`python -m jobs.train` end to end on the tiny config, in fresh processes as a user runs it: a bad config is
-refused before anything starts; the tiny run learns, stays on-policy and writes what it promises; the loss terms the
-tiny config leaves off run under FSDP2. (Resuming a stopped run: tests/test_fault_tolerance.py.)"""
+refused before anything starts; the tiny run learns, stays on-policy, evaluates and writes what it promises;
+`jobs.evaluate` reproduces its evaluations. (Resuming a stopped run and processes dying:
+tests/test_fault_tolerance.py. Each end-to-end run pays a Ray cluster, a Serve app and a Train worker group before
+its first step, so the features the tiny config leaves off ride on the other families' runs: the loss terms on
+BAGEL's, tests/test_train_job_bagel.py; the pipelined schedule with an SDE window on SD3's,
+tests/test_train_job_sd3.py.)"""
 
 import json
 import math
@@ -95,47 +99,6 @@ def test_tiny_run_writes_checkpoints_logs_and_pictures(tiny_run):
         assert (tiny_run / picture).stat().st_size > 1000
 
 
-def test_kl_off_policy_passes_and_recomputed_old_log_probs_run_under_fsdp2(tmp_path, tiny_run):
-    """The loss terms the tiny config leaves off: β·KL to the adapter-free reference, a second (off-policy,
-    clipped) pass, recomputed old log-probs, a fraction of the timesteps. The rollout runs on the diffusers engine,
-    the engine of machines where vllm cannot be installed (and the faster one to start): its first step samples
-    exactly what the vllm-omni replicas of the tiny run sampled."""
-    run_dir = tmp_path / "run"
-    done = run_job(f"logging.dir={run_dir}", "train.num_steps=2", "train.kl_beta=0.5", "train.num_inner_epochs=2",
-                   "train.timestep_fraction=0.5", "train.old_logprob=recompute", "train.checkpoint_every=0",
-                   "rollout.engine=diffusers", "rollout.num_replicas=1", "reward.num_replicas=1")
-    assert done.returncode == 0, done.stderr[-4000:]
-    records = history(run_dir)
-    assert len(records) == 2 and "rollout:     diffusers engine" in done.stdout
-    assert records[0]["reward/mean"] == history(tiny_run)[0]["reward/mean"]  # the base model: same images
-    for r in records:
-        assert all(math.isfinite(v) for v in r.values())
-        assert r["rollout/logprob_mismatch_max"] <= 1e-5 and r["actor/ratio_dev_first_pass_max"] <= 1e-5
-        assert r["actor/ratio_dev_max"] > 1e-6  # the second pass scores an updated policy: ratio != 1
-        assert r["actor/kl"] > 0  # after the first optimizer step the adapter moves away from the reference
-
-
-def test_a_pipelined_run_with_an_sde_window_trains_on_groups_at_most_one_version_old(tmp_path):
-    """`train.max_staleness=1` with a window of 2 of the 4 steps, as a user runs it (vllm-omni replicas, 2 FSDP2
-    workers): step 1 trains on the base model's groups (exact log-probs), every later step on groups sampled while
-    the step before trained, exactly one adapter version old; none is regenerated; the policy has moved since
-    (first-pass ratios of those groups differ from 1); the run ends with its last adapter checkpointed."""
-    run_dir = tmp_path / "run"
-    done = run_job(f"logging.dir={run_dir}", "train.num_steps=5", "train.checkpoint_every=0",
-                   "train.max_staleness=1", "rollout.sde_window.size=2", "rollout.sde_window.range=[0,3]")
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "pipelined: the next 1 step(s) generate while one trains" in done.stdout
-    records = history(run_dir)
-    assert [r["rollout/staleness_max"] for r in records] == [0, 1, 1, 1, 1]
-    assert [r["rollout/staleness_mean"] for r in records] == [0, 1, 1, 1, 1]
-    assert all(r["rollout/regenerated_groups"] == 0 and r["rollout/images"] == 16 for r in records)
-    assert records[0]["rollout/logprob_mismatch_max"] <= 1e-5 and records[0]["actor/ratio_dev_first_pass_max"] <= 1e-5
-    assert all(r["actor/ratio_dev_stale_max"] > 1e-6 for r in records[1:])  # scored by a policy one update on
-    assert all(math.isfinite(r["actor/loss"]) and 0 <= r["perf/rollout_busy_share"] <= 1 for r in records)
-    state = json.loads((run_dir / "checkpoints" / "checkpoint_step_000005" / "trainer_state.json").read_text())
-    assert state["adapter_version"] == 5
-
-
 def test_tiny_run_evaluates_the_same_held_out_prompts_and_noise_every_time(tiny_run):
     """The shipped config evaluates before the first step and every 8 steps (ocr_eval_tiny: 4 prompts x 2 images,
     noise level 0): eval metrics, per-image lines, a grid each time and the eval curve; the sentinels of the base
@@ -178,6 +141,7 @@ def test_jobs_evaluate_on_a_checkpoint_equals_the_evaluation_during_training(tin
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "checkpoint_step_000008#2" in done.stdout and "OCR exact match" in done.stdout
+    assert "(vllm_omni engine)" in done.stdout.splitlines()[0]
     columns = json.loads((out / "evaluation.json").read_text())["evaluations"]
     assert [c["name"] for c in columns] == ["base", "checkpoint_step_000008", "checkpoint_step_000008#2"]
     during = eval_lines(tiny_run)

@@ -1,6 +1,10 @@
 """`python -m jobs.train` on the tiny BAGEL config end to end, in a fresh process as a user runs it: text-to-image
 and edit groups from our BAGEL engine behind Serve, two FSDP2 workers training the generation expert's
-LoRA. The run stays on-policy with the rollout's log-probs reproduced exactly, and writes a peft adapter."""
+LoRA. The run stays on-policy with the rollout's log-probs reproduced exactly, and writes a peft adapter.
+
+The run also switches on the loss terms every tiny config leaves off (one run instead of one more: each end-to-end
+run pays a Ray cluster, a Serve app and a Train worker group before its first step): β·KL to the adapter-free
+reference, a second (off-policy, clipped) pass, old log-probs recomputed by the trainer, half the timesteps."""
 
 import math
 
@@ -9,6 +13,8 @@ from job_runs import history, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 STEPS = 8  # two checkpoints (every 4 steps)
+LOSS_TERMS = ("train.kl_beta=0.5", "train.num_inner_epochs=2", "train.timestep_fraction=0.5",
+              "train.old_logprob=recompute")
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +23,7 @@ def bagel_run(tmp_path_factory):
     # one replica of each (the Qwen-Image jobs exercise two): where a group is sampled changes nothing, and one of
     # each starts in half the CPU time
     done = run_job(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "rollout.num_replicas=1",
-                   "reward.num_replicas=1", config="configs/tiny_bagel_cpu.yaml")
+                   "reward.num_replicas=1", *LOSS_TERMS, config="configs/tiny_bagel_cpu.yaml")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "training of bagel" in done.stdout and "a peft adapter folder" in done.stdout
     return run_dir
@@ -31,6 +37,8 @@ def test_tiny_bagel_run_is_on_policy_with_exact_log_probs(bagel_run):
         assert r["actor/ratio_dev_first_pass_max"] == 0.0
         assert r["rollout/images"] == 16 and math.isfinite(r["actor/loss"]) and r["perf/useful_tflop"] > 0
     assert len(records) == STEPS and any(r["actor/grad_norm"] > 0 for r in records)
+    assert all(r["actor/ratio_dev_max"] > 1e-6 for r in records)  # the second pass scores an updated policy
+    assert all(r["actor/kl"] > 0 for r in records)  # after the first optimizer step the adapter leaves the reference
     final = bagel_run / "checkpoints" / f"checkpoint_step_{STEPS:06d}" / "adapter"
     assert (final / "adapter_model.safetensors").is_file() and (final / "adapter_config.json").is_file()
     assert (bagel_run / "samples.png").stat().st_size > 1000

@@ -28,7 +28,13 @@ def cpu_platform_active() -> bool:
 
 def vllm_platform() -> str | None:
     """vllm's own CPU platform (memory queries, distributed defaults) when the CPU platform is active."""
-    return "vllm.platforms.cpu.CpuPlatform" if cpu_platform_active() else None
+    if not cpu_platform_active():
+        return None
+    # vllm imports humming (its quantized-kernel library), which on import starts two interpreters that build
+    # CUDA launchers in the background: with no GPU they can only fail, and each costs a torch import (about
+    # 3.5 s of CPU in every rollout replica); vllm resolves its platform before it imports humming
+    os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
+    return "vllm.platforms.cpu.CpuPlatform"
 
 
 def omni_platform() -> str | None:
