@@ -1,5 +1,6 @@
 """The CPU platform is chosen on machines without CUDA, and an environment variable forces it either way."""
 
+import os
 import subprocess
 import sys
 
@@ -22,6 +23,19 @@ def test_auto_follows_cuda(monkeypatch):
     assert plugin.cpu_platform_active() is (not torch.cuda.is_available())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert plugin.omni_platform() is None  # GPU machines keep vllm-omni's own platform
+
+
+@pytest.mark.parametrize("value,off", [("1", True), ("0", False)])
+def test_the_cpu_platform_turns_off_humming_s_background_cuda_builds(monkeypatch, value, off):
+    """vllm's humming starts two interpreters that build CUDA launchers on import; only the CPU platform stops
+    them (they can only fail there), and a value the user set stays."""
+    monkeypatch.setenv(plugin.ENV_VAR, value)
+    monkeypatch.delenv("HUMMING_DISABLE_PARALLEL_BUILD", raising=False)
+    plugin.vllm_platform()
+    assert (os.environ.get("HUMMING_DISABLE_PARALLEL_BUILD") == "1") is off
+    monkeypatch.setenv("HUMMING_DISABLE_PARALLEL_BUILD", "0")
+    plugin.vllm_platform()
+    assert os.environ["HUMMING_DISABLE_PARALLEL_BUILD"] == "0"
 
 
 def test_bad_value_says_what_to_use(monkeypatch):
