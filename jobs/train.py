@@ -127,9 +127,11 @@ def resource_shortfall(config: RunConfig, available: dict[str, float]) -> str | 
     return "the run reserves " + "; and ".join(short) + ": lower those settings or use a larger cluster"
 
 
-def deploy_serve_app(config: RunConfig, app_name: str | None = None):
+def deploy_serve_app(config: RunConfig, app_name: str | None = None, *, wait: bool = True):
     """Deploy the rollout/reward application of `config` as `app_name` (default: deployments.builders.APP_NAME);
-    its (Rollout, Reward, Adapters) handles."""
+    its (Rollout, Reward, Adapters) handles. `wait=False` returns once the application is registered, while its
+    replicas still start: requests through the handles queue until they serve (`ServingWatch` says whether they
+    ever will)."""
     from ray import serve
 
     from app.console import log_level
@@ -146,8 +148,75 @@ def deploy_serve_app(config: RunConfig, app_name: str | None = None):
     app = config.app()
     if app.serve.log_level is None:  # the replicas follow logging.verbose unless serve.log_level says otherwise
         app = dataclasses.replace(app, serve=dataclasses.replace(app.serve, log_level=level))
-    serve.run(build_app(app), name=app_name, route_prefix=f"/{app_name}")
+    serve.run_many([serve.RunTarget(build_app(app), name=app_name, route_prefix=f"/{app_name}")],
+                   wait_for_applications_running=wait)
     return handles(app_name)
+
+
+class ServingWatch:
+    """Watches, in a thread, the Serve application that the trainer starts beside: once it runs, the watch ends;
+    should it fail to deploy (a replica whose engine cannot start, every retry), `on_failure(message)` is called
+    once and `failure` keeps the message. The job starts its training workers while the replicas load (the two
+    loads overlap instead of adding up) and aborts the trainer through `on_failure`."""
+
+    def __init__(self, app_name: str, on_failure, poll_s: float = 1.0):
+        import threading
+
+        self.app_name, self.on_failure, self.poll_s = app_name, on_failure, poll_s
+        self.failure: str | None = None
+        self.running = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"serving-watch-{app_name}", daemon=True)
+
+    def start(self) -> ServingWatch:
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float) -> bool:
+        """True once the watch has ended (the application runs, or failed), False after `timeout` seconds."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.wait(10 * self.poll_s)
+
+    def _watch(self) -> None:
+        from ray import serve
+        from ray.serve.schema import ApplicationStatus
+
+        while not self._stop.is_set():
+            try:
+                app = serve.status().applications.get(self.app_name)
+            except Exception:  # the controller busy or restarting: ask again
+                app = None
+            if app is not None and app.status == ApplicationStatus.RUNNING:
+                self.running = True
+                return
+            if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
+                self.failure = deploy_failure(app)
+                self.on_failure(self.failure)
+                return
+            self._stop.wait(self.poll_s)
+
+
+def deploy_failure(app) -> str:
+    """What failed, in a line per failing deployment: its name and the last line of its error (the exception; the
+    replica's whole traceback is in its log)."""
+    lines = []
+    for name, deployment in app.deployments.items():
+        message = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+        if deployment.status not in ("HEALTHY", "UPSCALING", "DOWNSCALING") and message:
+            lines.append(f"{name}: {message[-1]}")
+    return "; ".join(lines) or app.message.strip() or "no message from Serve"
+
+
+def abort_training(message: str) -> None:
+    """`ServingWatch`'s action in the job: SIGINT to this process, which Ray Train's `fit` answers by aborting the
+    run gracefully (workers stopped, nothing left behind); before `fit` listens it is a KeyboardInterrupt."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters):
@@ -264,11 +333,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from deployments.builders import APP_NAME
 
+    watch = ServingWatch(APP_NAME, abort_training)
+    result = None
     try:
-        result = fit(config, run_dir, *deploy_serve_app(config))
+        # the replicas and the training workers load at the same time; the first rollout request waits for both
+        handles = deploy_serve_app(config, wait=False)
+        watch.start()
+        result = fit(config, run_dir, *handles)
+    except BaseException:  # Ray Train's abort, or the KeyboardInterrupt before `fit` listened for SIGINT
+        if watch.failure is None:
+            raise
     finally:
+        watch.stop()
         if not args.keep_serving:
             serve.delete(APP_NAME)
+    if watch.failure is not None:
+        print(f"error: the rollout/reward application failed to deploy, so the run stopped before it trained: "
+              f"{watch.failure}", file=sys.stderr, flush=True)
+        return 1
     summarize(run_dir, result, getattr(context, "dashboard_url", None), config.model.family)
     return 0
 

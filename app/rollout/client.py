@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError
 
 from app.rewards import RewardScores
 from app.types import GenerationRequest, LoraAdapter, Trajectory
@@ -245,7 +246,10 @@ async def publish_lora(rollout, adapters, adapter: LoraAdapter | None, *,
     counted, not fatal: Serve replaces it and the replacement loads the stored adapter before serving. Any
     other failure (a replica that answered with an error or another version) raises."""
     version, refs = await adapters.publish.remote(adapter.packed(dtype) if adapter is not None else None)
-    answers = await rollout.broadcast("load_lora", refs or None).results_async(return_exceptions=True)
+    try:
+        answers = await rollout.broadcast("load_lora", refs or None).results_async(return_exceptions=True)
+    except DeploymentUnavailableError:  # no replica runs yet (they start beside the trainer) or at this moment:
+        answers = []  # each one that starts loads the stored adapter before it serves
     lost = [a for a in answers if isinstance(a, RayActorError)]
     errors = [a for a in answers if isinstance(a, BaseException) and not isinstance(a, RayActorError)]
     if errors:

@@ -314,3 +314,28 @@ def test_a_prompt_over_the_family_s_text_limit_is_a_400_naming_it(served, body, 
     assert error["param"] == field and "the limit is 1024" in error["message"], error
     ok = requests.post(f"{served['url']}/v1/images/generations", json={"prompt": "still here"}, timeout=120)
     assert ok.status_code == 200  # the replicas go on serving
+
+
+def test_an_application_that_cannot_deploy_is_named_with_its_error_while_the_trainer_starts(ray_cluster):
+    """`jobs.train` starts its training workers while the replicas load; should the replicas never start (a
+    broken checkpoint, every retry), `ServingWatch` says which deployment failed and why, once, and stops."""
+    from ray import serve
+
+    from jobs.train import ServingWatch
+
+    @serve.deployment(name="Rollout", max_constructor_retry_count=1, ray_actor_options={"num_cpus": 0.1})
+    class NeverStarts:
+        def __init__(self):
+            raise OSError("Unable to load weights from checkpoint file 'transformer/model.safetensors'")
+
+    failures = []
+    serve.run_many([serve.RunTarget(NeverStarts.bind(), name="never_starts", route_prefix=None)],
+                   wait_for_applications_running=False)
+    watch = ServingWatch("never_starts", failures.append, poll_s=0.2).start()
+    try:
+        assert watch.wait(timeout=120) and not watch.running
+        assert failures == [watch.failure]
+        assert watch.failure.startswith("Rollout: OSError: Unable to load weights"), watch.failure
+    finally:
+        watch.stop()
+        serve.delete("never_starts")
