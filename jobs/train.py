@@ -4,9 +4,10 @@
     ray job submit --working-dir . -- python -m jobs.train --config configs/tiny_cpu.yaml logging.dir=/abs/run
 
 Joins the cluster of `cluster.address` / RAY_ADDRESS (what `ray job submit` sets) or starts a local one, deploys
-the rollout + reward Serve application from the config, runs the `TorchTrainer` (FSDP2 workers, gloo on CPU,
-NCCL on GPUs) and, at the end, draws the reward curve and points at everything it wrote under `logging.dir`.
-The config is checked before anything starts: a bad one is a one-line error that names the key.
+the rollout + reward Serve application from the config and, while its replicas load, starts the `TorchTrainer`
+(FSDP2 workers, gloo on CPU, NCCL on GPUs); at the end it draws the reward curve and points at everything it
+wrote under `logging.dir`. The config is checked before anything starts: a bad one is a one-line error that names
+the key.
 """
 
 from __future__ import annotations
