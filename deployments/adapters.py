@@ -17,9 +17,14 @@ from app.types import PackedLora
 
 
 class AdapterStore:
-    def __init__(self):
+    def __init__(self, fingerprint: str = ""):
         self.version = 0  # 0: the base model
         self._ref = None  # ObjectRef of the LoraAdapter, owned by this replica
+        self._fingerprint = fingerprint  # of the application it belongs to (`builders.app_fingerprint`)
+
+    async def fingerprint(self) -> str:
+        """What the application was built from (`deployments.builders.app_fingerprint`)."""
+        return self._fingerprint
 
     async def publish(self, adapter: PackedLora | None) -> tuple[int, list]:
         """Keep `adapter` (None: back to the base model); returns what `current` returns. The packed buffer is read

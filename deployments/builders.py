@@ -11,6 +11,8 @@ One application, four deployments behind Serve's load balancer: `Rollout` (the e
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,24 +51,43 @@ class _ServedReward(RewardScorer):
         return await self.score_batch(batches)
 
 
+def _resolved(args: Mapping | AppConfig) -> tuple[AppConfig, dict]:
+    """The application's sections as its replicas get them (the model path absolute: replicas do not share the
+    caller's working directory) and the environment variables they start with."""
+    config = load_app(args)
+    config = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, path=str(Path(config.model.path).expanduser().resolve())))
+    log_level = str(config.serve.log_level or LogLevel.INFO)
+    env = {**_SINGLE_THREAD_ENV, **replica_env(log_level),
+           **({CRASH_ENV: os.environ[CRASH_ENV]} if CRASH_ENV in os.environ else {})}
+    return config, env
+
+
+def app_fingerprint(args: Mapping | AppConfig) -> str:
+    """What the application's replicas are built from, hashed: its sections and their environment. A running
+    application with the fingerprint of a new one serves exactly what deploying the new one would start (a job
+    reuses it instead of reloading every model, `jobs.train.deploy_serve_app`)."""
+    config, env = _resolved(args)
+    text = json.dumps({"app": dataclasses.asdict(config), "env": env}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def build_app(args: Mapping | AppConfig) -> Application:
     """Rollout + reward + adapter store + HTTP ingress, as one Serve application. `args`: an `AppConfig`, or
     serve_config.yaml's `args:` mapping (validated like a run config: a bad key or value names itself)."""
-    config = load_app(args)
-    # replicas do not share the caller's working directory: hand them an absolute path
-    model = dataclasses.replace(config.model, path=str(Path(config.model.path).expanduser().resolve()))
-    rollout, reward, settings = config.rollout, config.reward, config.serve
+    config, env_vars = _resolved(args)
+    model, rollout, reward, settings = config.model, config.rollout, config.reward, config.serve
     if model.build_tiny:
         from app.models.family import get_family
 
         get_family(model.family).build_tiny(model.path, seed=model.tiny_seed)  # here, once, before any replica starts
     log_level = str(settings.log_level or LogLevel.INFO)
-    env = {"env_vars": {**_SINGLE_THREAD_ENV, **replica_env(log_level),
-                        **({CRASH_ENV: os.environ[CRASH_ENV]} if CRASH_ENV in os.environ else {})}}
+    env = {"env_vars": env_vars}
     logging_config = {"log_level": log_level, "enable_access_log": log_level in ("DEBUG", "INFO")}
     # one replica, no resources to speak of; many small concurrent reads when replicas start or resync
     adapters = serve.deployment(AdapterStore, name="Adapters", num_replicas=1, max_ongoing_requests=64,
-                                logging_config=logging_config, ray_actor_options={"num_cpus": 0}).bind()
+                                logging_config=logging_config,
+                                ray_actor_options={"num_cpus": 0}).bind(fingerprint=app_fingerprint(config))
     rollout_app = serve.deployment(
         _ServedRollout, name="Rollout", num_replicas=rollout.num_replicas,
         max_ongoing_requests=rollout.max_ongoing_requests, health_check_period_s=30,

@@ -132,11 +132,13 @@ def deploy_serve_app(config: RunConfig, app_name: str | None = None, *, wait: bo
     """Deploy the rollout/reward application of `config` as `app_name` (default: deployments.builders.APP_NAME);
     its (Rollout, Reward, Adapters) handles. `wait=False` returns once the application is registered, while its
     replicas still start: requests through the handles queue until they serve (`ServingWatch` says whether they
-    ever will)."""
+    ever will). An application of that name that runs and was built from the same sections and environment
+    (`deployments.builders.app_fingerprint`) is used as it is: an earlier job's, kept with `--keep-serving` on a
+    long-lived cluster; the training loop resets its replicas to the run's own adapter first."""
     from ray import serve
 
     from app.console import log_level
-    from deployments.builders import APP_NAME, build_app
+    from deployments.builders import APP_NAME, app_fingerprint, build_app
     from deployments.client import handles
 
     app_name = app_name or APP_NAME
@@ -144,14 +146,34 @@ def deploy_serve_app(config: RunConfig, app_name: str | None = None, *, wait: bo
     level = log_level(config.logging.verbose)
     serve.start(http_options={"host": "127.0.0.1", "port": config.cluster.serve_port},
                 logging_config={"log_level": level})  # the controller and proxy
-    print(f"deploying the rollout/reward application ({config.rollout.num_replicas} rollout replicas, "
-          f"{config.reward.num_replicas} reward replicas)...", flush=True)
     app = config.app()
     if app.serve.log_level is None:  # the replicas follow logging.verbose unless serve.log_level says otherwise
         app = dataclasses.replace(app, serve=dataclasses.replace(app.serve, log_level=level))
+    if running_fingerprint(app_name) == app_fingerprint(app):
+        print(f"using the running rollout/reward application {app_name!r} (the same sections: nothing reloads)",
+              flush=True)
+        return handles(app_name)
+    print(f"deploying the rollout/reward application ({config.rollout.num_replicas} rollout replicas, "
+          f"{config.reward.num_replicas} reward replicas)...", flush=True)
     serve.run_many([serve.RunTarget(build_app(app), name=app_name, route_prefix=f"/{app_name}")],
                    wait_for_applications_running=wait)
     return handles(app_name)
+
+
+def running_fingerprint(app_name: str) -> str | None:
+    """The fingerprint of the application `app_name` if it is up (running, or replacing a replica that died),
+    else None."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    app = serve.status().applications.get(app_name)
+    up = (ApplicationStatus.RUNNING, ApplicationStatus.UNHEALTHY, ApplicationStatus.DEPLOYING)
+    if app is None or app.status not in up:
+        return None
+    try:
+        return serve.get_deployment_handle("Adapters", app_name).fingerprint.remote().result(timeout_s=30)
+    except Exception:  # another application of that name (no adapter store, or one without a fingerprint)
+        return None
 
 
 class ServingWatch:

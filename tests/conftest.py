@@ -164,14 +164,36 @@ def ray_cluster(tmp_path_factory):
 
 
 
+_JOB_CLUSTERS = []
+
+
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory) -> Path:
+def job_cluster(tmp_path_factory):
+    """The long-lived Ray cluster the session's job runs join (`job_runs.JobCluster`); stopped after the last
+    `jobs` test, so that the tests after them have the cores."""
+    from job_runs import JobCluster
+
+    cluster = JobCluster(tmp_path_factory.mktemp("job_cluster"))
+    _JOB_CLUSTERS.append(cluster)
+    yield cluster
+    cluster.stop()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _JOB_CLUSTERS and (nextitem is None or nextitem.get_closest_marker("jobs") is None):
+        _JOB_CLUSTERS.pop().stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, job_cluster) -> Path:
     """The tiny config as shipped (24 steps, 2 rollout replicas, OCR + JPEG reward, 2 FSDP2 workers), run once by
-    `python -m jobs.train`: the uninterrupted run that the job, resume and fault-tolerance tests compare with."""
+    `python -m jobs.train` on the job cluster: the uninterrupted run that the job, resume and fault-tolerance tests
+    compare with. Its Serve application stays up (`--keep-serving`) for the fault run, which has the same
+    sections."""
     from job_runs import run_job
 
     run_dir = tmp_path_factory.mktemp("tiny") / "run"
-    done = run_job(f"logging.dir={run_dir}")
+    done = run_job(f"logging.dir={run_dir}", "--keep-serving", cluster=job_cluster)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "reward curve:" in done.stdout and "LoRA adapter:" in done.stdout
     return run_dir

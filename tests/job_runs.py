@@ -1,8 +1,10 @@
-"""Running `python -m jobs.train` as a user does, from tests: fresh processes, each with its own local Ray cluster
-(Serve on a free port: the test session's own cluster may hold 8000)."""
+"""Running `python -m jobs.train` as a user does, from tests: fresh driver processes, each joining the session's
+long-lived job cluster (`JobCluster`, as `ray job submit` joins one) or starting its own local cluster (Serve on a
+free port: the test session's own cluster may hold 8000)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,13 +29,77 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_command(*args: str, config: str = "configs/tiny_cpu.yaml") -> list[str]:
-    return [sys.executable, "-m", "jobs.train", "--config", config, f"cluster.serve_port={free_port()}", *args]
+# in-process crash points (`app/faults.py`) of the job cluster's processes, by name; each fires once its marker is
+# gone (`JobCluster.arm`)
+CRASHES = {"generation": "rollout.generate=5", "publish": "rollout.load_lora=5"}
 
 
-def run_job(*args: str, config: str = "configs/tiny_cpu.yaml", timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(job_command(*args, config=config), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+class JobCluster:
+    """A Ray cluster started as a user starts a long-lived one (`ray start --head --block`) for the job runs of a
+    test session: a job given it (`run_job(..., cluster=...)`) joins it as under `ray job submit`, and a job run
+    with `--keep-serving` leaves its Serve application to the next job of the same sections, which uses it instead
+    of loading every model again. Its processes carry the crash points of `CRASHES`, disarmed (their markers exist)
+    until a test arms them."""
+
+    def __init__(self, folder: Path, num_cpus: int = 4):
+        self.port, self.serve_port = free_port(), free_port()
+        self.markers = {name: folder / f"crashed-{name}" for name in CRASHES}
+        for marker in self.markers.values():
+            marker.touch()
+        crash = ",".join(f"{CRASHES[name]}@{self.markers[name]}" for name in CRASHES)
+        env = {**os.environ, "RAY_FLOWGRPO_CRASH": crash, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
+               "TOKENIZERS_PARALLELISM": "false"}
+        self.log = (folder / "ray_start.log").open("w")
+        ray_cli = str(Path(sys.executable).with_name("ray"))
+        self.proc = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={self.port}",
+                                      f"--num-cpus={num_cpus}", "--include-dashboard=false"],
+                                     cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        log_path, deadline = folder / "ray_start.log", time.monotonic() + 120
+        while "Ray runtime started" not in log_path.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start failed:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """The `ray start` process: every process of the cluster descends from it."""
+        return self.proc.pid
+
+    def arm(self) -> None:
+        """Every crash point fires once more (at the first process that reaches it)."""
+        for marker in self.markers.values():
+            marker.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        """SIGTERM to every process of the cluster (`ray start` cleans up nothing on a signal), SIGKILL to what is
+        left after 20 s."""
+        if self.proc.poll() is not None:
+            return
+        procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=20)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        self.log.close()
+
+
+def job_command(*args: str, config: str = "configs/tiny_cpu.yaml", cluster: JobCluster | None = None) -> list[str]:
+    where = ([f"cluster.address={cluster.address}", f"cluster.serve_port={cluster.serve_port}"] if cluster
+             else [f"cluster.serve_port={free_port()}"])
+    return [sys.executable, "-m", "jobs.train", "--config", config, *where, *args]
+
+
+def run_job(*args: str, config: str = "configs/tiny_cpu.yaml", cluster: JobCluster | None = None,
+            timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(job_command(*args, config=config, cluster=cluster), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def history(run_dir: Path) -> list[dict]:
@@ -74,13 +140,15 @@ class KilledRun:
     workers, not when they report it)."""
 
     def __init__(self, *args: str, kills: dict[int, str] | None = None,
-                 after: dict[int, Callable[[], bool]] | None = None, env: dict | None = None, patience: float = 60):
+                 after: dict[int, Callable[[], bool]] | None = None, cluster: JobCluster | None = None,
+                 patience: float = 60):
         self.kills, self.after, self.patience = dict(kills or {}), dict(after or {}), patience
         self.killed: dict[int, str] = {}  # step -> "pid title" of what was killed
         self.missed: dict[int, str] = {}  # step -> why nothing was killed
         self.lines: list[str] = []
-        self.job = subprocess.Popen(job_command(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.job = subprocess.Popen(job_command(*args, cluster=cluster), cwd=REPO, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.root = cluster.pid if cluster else self.job.pid  # the processes to kill descend from it
 
     def _watch(self) -> None:
         for line in self.job.stdout:
@@ -93,7 +161,7 @@ class KilledRun:
                     self.missed[step] = f"its precondition did not hold within {self.patience:.0f} s"
                     continue
                 try:  # at step k's line, or a later one should no such process be alive then
-                    victim = kill_first(title, self.job.pid)
+                    victim = kill_first(title, self.root)
                 except Exception as err:  # reported through `missed`: the watcher never dies silently
                     victim, self.missed[step] = None, f"{type(err).__name__}: {err}"
                 if victim is None:

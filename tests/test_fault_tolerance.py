@@ -1,7 +1,8 @@
 """Real processes die during the tiny job and the run loses nothing.
 
 One run of `python -m jobs.train` on the tiny config (2 vllm-omni rollout replicas, 2 reward replicas, 2 FSDP2
-workers, a checkpoint every 2 steps, 6 steps) loses four processes of its own local Ray cluster while it trains:
+workers, a checkpoint every 2 steps, 6 steps) loses four processes of the long-lived job cluster it joins (with
+the Serve application the uninterrupted run left there) while it trains:
 
 - a Rollout replica dies as it starts generating group 5 (step 2, with other groups in flight on it);
 - a Reward replica is SIGKILLed from outside when step 2's progress line prints;
@@ -13,11 +14,12 @@ In-process deaths (`os._exit` at a named point, `app/faults.py`) are for moments
 from outside. The run must finish all its steps with exactly the per-step rewards of the uninterrupted run with
 the same seed (`tiny_run`, shared with tests/test_train_job.py): the loop is deterministic per seed, so equal
 rewards prove that no group was lost, duplicated or sampled by another adapter. One run serves the four tests
-(each checks its own death); it takes about 4 minutes on 2 cores.
+(each checks its own death).
 
 The run then stops, and `--resume` on a copy of its folder continues it as a user would after a stopped or crashed
-job (a new driver, a new Ray cluster): steps 7-8 must equal the uninterrupted run's, which needs the adapter, the
-optimizer state, the prompt position and every rank's RNG state of the checkpoint of step 6.
+job (a new driver on the cluster, whose replicas served another run's adapter last): steps 7-8 must equal the
+uninterrupted run's, which needs the adapter, the optimizer state, the prompt position and every rank's RNG state of
+the checkpoint of step 6.
 """
 
 import shutil
@@ -32,7 +34,6 @@ from app.metrics import read_history
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 
 STEPS = 6
-CRASHES = {"generation": "rollout.generate=5", "publish": "rollout.load_lora=5"}
 KILLS = {2: "ray::ServeReplica:flowgrpo:Reward", 3: "ray::RayTrainWorker"}
 
 
@@ -46,19 +47,24 @@ class Outcome:
 
 
 @pytest.fixture(scope="module")
-def deaths(tmp_path_factory) -> Outcome:
-    base = tmp_path_factory.mktemp("deaths")
-    run_dir, markers = base / "run", {name: base / f"crashed-{name}" for name in CRASHES}
-    crash = ",".join(f"{CRASHES[name]}@{markers[name]}" for name in CRASHES)
+def deaths(tmp_path_factory, job_cluster, tiny_run) -> Outcome:
+    run_dir = tmp_path_factory.mktemp("deaths") / "run"
+    # on the job cluster, after the uninterrupted run, whose Serve application it uses (the same sections): the
+    # loop resets its replicas to the base model first. Its crash points armed for this run only.
     # evaluation off: `tiny_run` evaluates (before step 1, every 8 steps), so equal rewards also show that
     # evaluating changes no training group
+    job_cluster.arm()
     run = KilledRun(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "train.checkpoint_every=2",
-                    "eval.every=0", "eval.before_train=false",
-                    kills=KILLS, after={3: lambda: checkpoint_registered(run_dir, step=2)},
-                    env={"RAY_FLOWGRPO_CRASH": crash})
-    assert run.wait() == 0, run.output[-6000:]
+                    "eval.every=0", "eval.before_train=false", "--keep-serving",
+                    kills=KILLS, after={3: lambda: checkpoint_registered(run_dir, step=2)}, cluster=job_cluster)
+    code = run.wait()
+    crashed = {name: marker.exists() for name, marker in job_cluster.markers.items()}
+    for marker in job_cluster.markers.values():  # disarmed again, whatever happened
+        marker.touch()
+    assert code == 0, run.output[-6000:]
+    assert "using the running rollout/reward application" in run.output  # nothing reloaded: the same sections
     return Outcome(read_history(run_dir), (run_dir / "metrics.jsonl").read_text().splitlines(), run, run_dir,
-                   {name: marker.exists() for name, marker in markers.items()})
+                   crashed)
 
 
 def checkpoint_registered(run_dir: Path, step: int) -> bool:
@@ -106,16 +112,18 @@ def test_a_rollout_replica_dying_while_the_adapter_is_published(deaths, tiny_run
     assert deaths.records[4]["rollout/publish_lost_replicas_max"] == 1
 
 
-def test_a_stopped_run_resumed_from_its_folder_continues_as_the_uninterrupted_one(deaths, tiny_run, tmp_path):
+def test_a_stopped_run_resumed_from_its_folder_continues_as_the_uninterrupted_one(deaths, tiny_run, tmp_path,
+                                                                                    job_cluster):
     run_dir = tmp_path / "resumed"
     shutil.copytree(deaths.run_dir, run_dir)  # a copy: the other tests read the original
-    # one replica of each: where a group is sampled or scored does not change it (the deaths above show it), and
-    # one of each starts faster
+    # a new driver on the job cluster, with the Serve application the fault run left (its replicas serve the last
+    # adapter of that run until the loop resets them to the checkpoint's)
     # evaluation on from here, after every step: the run folder has no base images yet (made before the resumed
     # adapter is served again), and the evaluation of step 8 must equal the uninterrupted run's
     again = run_job(f"logging.dir={run_dir}", f"train.num_steps={STEPS + 2}", "train.checkpoint_every=2",
-                    "rollout.num_replicas=1", "reward.num_replicas=1", "eval.every=1", "--resume")
+                    "eval.every=1", "--resume", cluster=job_cluster)
     assert again.returncode == 0, again.stderr[-4000:]
+    assert "using the running rollout/reward application" in again.stdout
     assert f"continuing from the checkpoint of step {STEPS}" in again.stdout + again.stderr
     resumed, uninterrupted = read_history(run_dir), read_history(tiny_run)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 3))

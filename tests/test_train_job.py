@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from job_runs import REPO, comparable, eval_lines, free_port, history, run_job
+from job_runs import REPO, comparable, eval_lines, history, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 
@@ -125,7 +125,7 @@ def test_tiny_run_evaluates_the_same_held_out_prompts_and_noise_every_time(tiny_
     assert b"eval/reward/mean" in events and b"sentinel/distance_to_base" in events and b"eval/grid" in events
 
 
-def test_jobs_evaluate_on_a_checkpoint_equals_the_evaluation_during_training(tiny_run, tmp_path):
+def test_jobs_evaluate_on_a_checkpoint_equals_the_evaluation_during_training(tiny_run, tmp_path, job_cluster):
     """`python -m jobs.evaluate` of the checkpoint of step 8, twice, beside the base model: each column equals the
     training run's evaluation of that step (the base: of step 0), image for image; a bad adapter is refused."""
     adapter = tiny_run / "checkpoints" / "checkpoint_step_000008"
@@ -137,7 +137,8 @@ def test_jobs_evaluate_on_a_checkpoint_equals_the_evaluation_during_training(tin
     out = tmp_path / "evaluation"
     done = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--config", "configs/tiny_cpu.yaml",
                            "--adapter", str(adapter), "--adapter", str(adapter / "adapter"), "--out", str(out),
-                           f"cluster.serve_port={free_port()}", "rollout.num_replicas=1", "reward.num_replicas=1"],
+                           f"cluster.address={job_cluster.address}", f"cluster.serve_port={job_cluster.serve_port}",
+                           "rollout.num_replicas=1", "reward.num_replicas=1"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "checkpoint_step_000008#2" in done.stdout and "OCR exact match" in done.stdout

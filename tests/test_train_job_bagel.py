@@ -18,12 +18,12 @@ LOSS_TERMS = ("train.kl_beta=0.5", "train.num_inner_epochs=2", "train.timestep_f
 
 
 @pytest.fixture(scope="module")
-def bagel_run(tmp_path_factory):
+def bagel_run(tmp_path_factory, job_cluster):
     run_dir = tmp_path_factory.mktemp("bagel") / "run"
     # one replica of each (the Qwen-Image jobs exercise two): where a group is sampled changes nothing, and one of
     # each starts in half the CPU time
     done = run_job(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "rollout.num_replicas=1",
-                   "reward.num_replicas=1", *LOSS_TERMS, config="configs/tiny_bagel_cpu.yaml")
+                   "reward.num_replicas=1", *LOSS_TERMS, config="configs/tiny_bagel_cpu.yaml", cluster=job_cluster)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "training of bagel" in done.stdout and "a peft adapter folder" in done.stdout
     return run_dir

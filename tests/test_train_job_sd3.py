@@ -22,12 +22,12 @@ STEPS = 8  # two checkpoints (every 4 steps), evaluations before the first step 
 
 
 @pytest.fixture(scope="module")
-def sd3_run(tmp_path_factory):
+def sd3_run(tmp_path_factory, job_cluster):
     run_dir = tmp_path_factory.mktemp("sd3") / "run"
     # one replica of each (the Qwen-Image jobs exercise two): half the start-up CPU on 2 cores
     done = run_job(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "rollout.num_replicas=1",
                    "reward.num_replicas=1", "train.max_staleness=1", "rollout.sde_window.size=2",
-                   "rollout.sde_window.range=[0,3]", config="configs/tiny_sd3_cpu.yaml")
+                   "rollout.sde_window.range=[0,3]", config="configs/tiny_sd3_cpu.yaml", cluster=job_cluster)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "training of sd3" in done.stdout
     assert "pipelined: the next 1 step(s) generate while one trains" in done.stdout
