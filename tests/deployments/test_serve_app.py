@@ -318,10 +318,11 @@ def test_a_prompt_over_the_family_s_text_limit_is_a_400_naming_it(served, body, 
 
 def test_an_application_that_cannot_deploy_is_named_with_its_error_while_the_trainer_starts(ray_cluster):
     """`jobs.train` starts its training workers while the replicas load; should the replicas never start (a
-    broken checkpoint, every retry), `ServingWatch` says which deployment failed and why, once, and stops."""
+    broken checkpoint, every retry), the job's `ServingWatch` says which deployment failed and why, once, and
+    stops."""
     from ray import serve
 
-    from jobs.train import ServingWatch
+    from deployments.client import ServingWatch
 
     @serve.deployment(name="Rollout", max_constructor_retry_count=1, ray_actor_options={"num_cpus": 0.1})
     class NeverStarts:
