@@ -8,10 +8,12 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -52,9 +54,13 @@ class JobCluster:
                "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
         self.log = (folder / "ray_start.log").open("w")
         ray_cli = str(Path(sys.executable).with_name("ray"))
+        # its own temp folder (short: Ray's socket paths have a length limit): `ray start` writes the cluster's
+        # address there, where a `ray.init()` of no address would otherwise find it and join it (the in-process
+        # tests' cluster, a job run that must start its own)
+        self.temp_dir = tempfile.mkdtemp(prefix="rayjobs-", dir="/tmp")
         self.proc = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={self.port}",
                                       f"--num-cpus={num_cpus}", "--include-dashboard=false",
-                                      "--node-ip-address=127.0.0.1"],
+                                      "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp_dir}"],
                                      cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         log_path, deadline = folder / "ray_start.log", time.monotonic() + 120
         while "Ray runtime started" not in log_path.read_text():
@@ -87,6 +93,7 @@ class JobCluster:
                 proc.kill()
         psutil.wait_procs(procs, timeout=10)
         self.log.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def job_command(*args: str, config: str = "configs/tiny_cpu.yaml", cluster: JobCluster | None = None) -> list[str]:
