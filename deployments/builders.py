@@ -67,7 +67,10 @@ def app_fingerprint(args: Mapping | AppConfig) -> str:
     """What the application's replicas are built from, hashed: its sections and their environment. A running
     application with the fingerprint of a new one serves exactly what deploying the new one would start (a job
     reuses it instead of reloading every model, `jobs.train.deploy_serve_app`)."""
-    config, env = _resolved(args)
+    return _digest(*_resolved(args))
+
+
+def _digest(config: AppConfig, env: dict) -> str:
     text = json.dumps({"app": dataclasses.asdict(config), "env": env}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -87,7 +90,7 @@ def build_app(args: Mapping | AppConfig) -> Application:
     # one replica, no resources to speak of; many small concurrent reads when replicas start or resync
     adapters = serve.deployment(AdapterStore, name="Adapters", num_replicas=1, max_ongoing_requests=64,
                                 logging_config=logging_config,
-                                ray_actor_options={"num_cpus": 0}).bind(fingerprint=app_fingerprint(config))
+                                ray_actor_options={"num_cpus": 0}).bind(fingerprint=_digest(config, env_vars))
     rollout_app = serve.deployment(
         _ServedRollout, name="Rollout", num_replicas=rollout.num_replicas,
         max_ongoing_requests=rollout.max_ongoing_requests, health_check_period_s=30,
