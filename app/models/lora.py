@@ -3,6 +3,7 @@ one and check that a family's replicas can serve it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,6 +13,29 @@ from app.types import LoraAdapter
 ADAPTER_NAME = "flowgrpo"
 PEFT_PREFIX = "base_model.model."  # peft's wrapper prefix
 PIPELINE_PREFIX = "transformer."  # a diffusers pipeline's component prefix (its LoRA files, full weights)
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """What makes two adapters interchangeable in one module: rank, alpha and target modules."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+    @classmethod
+    def of(cls, model) -> LoraShape:
+        """The shape of a run config's model section (`model.lora_*`)."""
+        return cls(int(model.lora_rank), float(model.lora_alpha), tuple(model.lora_targets))
+
+
+def add_zero_lora(transformer, shape: LoraShape, adapter_name: str = ADAPTER_NAME) -> None:
+    """Give `transformer` the peft adapter `adapter_name` of `shape` with B = 0 (peft's initialisation): the base
+    model's outputs exactly, in the module structure every later adapter of that shape is copied into."""
+    from peft import LoraConfig
+
+    transformer.add_adapter(LoraConfig(r=shape.rank, lora_alpha=shape.alpha,
+                                       target_modules=list(shape.target_modules)), adapter_name)
 
 
 def transformer_key(key: str) -> str:

@@ -5,6 +5,12 @@ event loop, one group at a time under a lock, seeds, counters, and the LoRA as a
 A new adapter is staged, not swapped in: `load_lora` returns at once, even while a group is being generated, and
 the next group to start applies it (a copy into the adapter's parameters, timed as `producer["adapter_swap_s"]`).
 A group is sampled whole with the adapter it started with, and publishing never waits for generation.
+
+Compiled engines keep one module structure and one `requires_grad` state for the whole run, since dynamo guards on
+both and compiles again when either changes (seen on the GPU: a replica compiled anew when the first trained
+adapter arrived). So an engine built for a run's LoRA (`lora`) holds that adapter from the start with B = 0, which
+is the base model exactly; the base model later (`load_lora(None)`) is that adapter zeroed again rather than
+disabled; and the module stays frozen (peft's `set_adapter` marks an adapter trainable).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 
 from app.models.compile import apply_compile, compile_counts
 from app.models.family import get_family
-from app.models.lora import ADAPTER_NAME, attach_lora, copy_into_lora, transformer_key
+from app.models.lora import ADAPTER_NAME, LoraShape, add_zero_lora, attach_lora, copy_into_lora, transformer_key
 from app.rollout.seeding import draw_seed
 from app.types import GenerationRequest, LoraAdapter, Trajectory
 
@@ -29,10 +35,12 @@ class LocalEngine:
     family = ""  # the model family (app/models/) a subclass serves
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
-                 compile=None):
-        """compile: a `model.compile` section (None or off: eager)."""
+                 compile=None, lora: LoraShape | None = None):
+        """compile: a `model.compile` section (None or off: eager); lora: the shape of the adapters this engine will
+        serve (a run's model section), held from the start as the zero adapter (None: added when one arrives)."""
         self.model_path = str(Path(model_path).resolve())
         self.compile = compile
+        self.lora = lora
         self.compiled = False
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -47,7 +55,7 @@ class LocalEngine:
     @classmethod
     def from_config(cls, model, rollout) -> LocalEngine:
         """The engine of a run config's model and rollout sections."""
-        return cls(model.path, dtype=model.dtype, compile=model.compile)
+        return cls(model.path, dtype=model.dtype, compile=model.compile, lora=LoraShape.of(model))
 
     # ---- what a subclass provides ----------------------------------------------------------------------------
 
@@ -78,7 +86,11 @@ class LocalEngine:
         with self._lock:
             if not self.loaded:
                 self.load_model()
-                self.compiled = apply_compile(self.trained_module(), get_family(self.family), self.compile) > 0
+                module = self.trained_module()
+                if self.lora is not None:
+                    add_zero_lora(module, self.lora)
+                module.requires_grad_(False)
+                self.compiled = apply_compile(module, get_family(self.family), self.compile) > 0
                 self.loaded = True
 
     async def start(self) -> None:
@@ -133,8 +145,10 @@ class LocalEngine:
         module = self.trained_module()
         current = (getattr(module, "peft_config", None) or {}).get(ADAPTER_NAME)
         if adapter is None:
-            if current is not None:
-                module.disable_adapters()
+            if current is not None:  # B = 0: the base model exactly, through the graph the adapters use
+                with torch.no_grad():
+                    torch._foreach_zero_([p for n, p in module.named_parameters()
+                                          if f".lora_B.{ADAPTER_NAME}." in n])
             self._lora_version = 0
             return time.perf_counter() - started
         same = current is not None and (current.r, current.lora_alpha, sorted(current.target_modules)) == (
@@ -145,6 +159,7 @@ class LocalEngine:
             attach_lora(module, adapter, ADAPTER_NAME)
         module.enable_adapters()
         module.set_adapter(ADAPTER_NAME)
+        module.requires_grad_(False)  # peft marks the active adapter trainable: a new guard for a compiled block
         self._lora_version = adapter.version
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the copy onto the adapter's parameters is part of the swap

@@ -64,6 +64,8 @@ class Worker:
     adapter: LoraAdapter | None = None  # what the replicas serve (None: the base model)
     log: run_metrics.RunLog | run_metrics.NullRunLog = field(default_factory=run_metrics.NullRunLog)  # rank 0 logs
     evaluator: RunEvaluator | None = None  # rank 0, with evaluation on (eval.every, eval.before_train)
+    compiled_frames: int = 0  # dynamo frames this process had compiled at the end of the last step
+    replica_frames: dict[str, int] = field(default_factory=dict)  # the same, per rollout replica, as last reported
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -157,12 +159,32 @@ def _worker_metrics(worker: Worker, step: int, groups: list[ScoredGroup], stats:
            "timing/reward_wait_s_max": max(0.0, max(s.scored_at for s in groups) - max(s.generated_at for s in groups)),
            "memory/rollout_peak_gib_max": max(s.trajectory.producer.get("gpu_peak_gib", 0.0) for s in groups)}
     if worker.policy.compiled:  # compilations so far (steady state: neither grows from step to step)
-        out["compile/trainer_frames_max"] = float(compile_counts()["frames"])
-        for name, count in cache_counts().items():  # the shared cache, as this worker's process met it
-            out[f"compile/trainer_{name}_max"] = float(count)
-        out["compile/rollout_frames_max"] = float(max(s.trajectory.producer.get("compile_frames", 0) for s in groups))
+        out.update(_compile_metrics(worker, groups))
     if torch.cuda.is_available():
         out["memory/trainer_peak_gib_max"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def _compile_metrics(worker: Worker, groups: list[ScoredGroup]) -> dict[str, float]:
+    """Compilations so far (`_frames_max`: the most any one process has compiled) and this step's new ones, counted
+    per process and summed (`compile/trainer_new_frames`: every rank's; `compile/rollout_new_frames_max`: the
+    replicas whose groups this worker got, from the frame count each group reports). A maximum alone hides a rank
+    that compiles what another compiled steps before (seen on 4 GPUs). Steady state: the new ones stay 0."""
+    frames = compile_counts()["frames"]
+    out = {"compile/trainer_frames_max": float(frames),
+           "compile/trainer_new_frames_sum": float(frames - worker.compiled_frames)}
+    worker.compiled_frames = frames
+    for name, count in cache_counts().items():  # the shared cache, as this worker's process met it
+        out[f"compile/trainer_{name}_max"] = float(count)
+    replicas: dict[str, int] = {}
+    for s in groups:
+        producer = s.trajectory.producer
+        if "compile_frames" in producer:
+            key = str(producer.get("replica", producer.get("pid")))
+            replicas[key] = max(replicas.get(key, 0), int(producer["compile_frames"]))
+    out["compile/rollout_frames_max"] = float(max(replicas.values(), default=0))
+    out["compile/rollout_new_frames_max"] = float(sum(n - worker.replica_frames.get(r, 0) for r, n in replicas.items()))
+    worker.replica_frames.update(replicas)
     return out
 
 

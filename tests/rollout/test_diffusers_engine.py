@@ -3,7 +3,8 @@
 import torch
 from diffusers import QwenImageTransformer2DModel
 
-from app.models.lora import random_lora
+from app.models.lora import LoraShape, random_lora
+from app.rollout.diffusers_engine import DiffusersEngine
 from app.types import GenerationRequest
 
 
@@ -57,3 +58,32 @@ def test_an_adapter_published_mid_group_waits_for_the_next_group(diffusers_engin
     assert first.lora_version == 0 and torch.equal(first.latents, base.latents)
     assert after.lora_version == 4 and not torch.equal(after.latents, base.latents)
     assert after.producer["adapter_swap_s"] > 0 and first.producer["adapter_swap_s"] == 0
+
+
+def test_an_engine_of_a_runs_lora_holds_it_from_the_start_frozen(diffusers_engine, aio, tiny_model_dir):
+    """A replica built from a run's model section (`lora`: rank, alpha, targets) holds that adapter from its first
+    group with B = 0, which samples the base model exactly; through adapters and back to the base model its modules
+    stay the same and every parameter frozen. A compiled block is guarded on both: on the GPU the first trained
+    adapter compiled a replica again (its LoRA layers appeared, and peft marked the base frozen)."""
+    request = GenerationRequest("a red cube", n=2, height=64, width=64, num_inference_steps=2, noise_level=0.7,
+                                sde_type="sde", seed=1)
+    base = aio(diffusers_engine.generate(request))  # an engine with no adapter at all
+    engine = DiffusersEngine(tiny_model_dir, lora=LoraShape(4, 4.0, ("to_q",)))
+    aio(engine.start())
+    try:
+        module = engine.trained_module()
+        structure = [name for name, _ in module.named_modules()]
+        assert any(".lora_B." in name for name in structure)
+        zero = aio(engine.generate(request))
+        transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
+        aio(engine.load_lora(random_lora(transformer, version=1, rank=4, target_modules=["to_q"], seed=0, scale=0.5)))
+        tuned = aio(engine.generate(request))
+        aio(engine.load_lora(None))
+        again = aio(engine.generate(request))
+    finally:
+        aio(engine.close())
+    assert (zero.lora_version, tuned.lora_version, again.lora_version) == (0, 1, 0)
+    assert torch.equal(zero.latents, base.latents) and torch.equal(again.latents, base.latents)
+    assert not torch.equal(tuned.latents, base.latents)
+    assert [name for name, _ in module.named_modules()] == structure
+    assert not any(p.requires_grad for p in module.parameters())

@@ -4,7 +4,8 @@ policy trains on them with `train.old_logprob=trainer`, and
 - the first pass's ratio is exactly 1 and the update equals the eager one's (to fp32 rounding), its log-probs a
   float64 reference's;
 - nothing compiles again once the first groups have been seen: other prompts (text lengths), SDE windows, CFG,
-  adapter versions (dynamo's counters);
+  the first trained adapter reaching a replica that started on the base model, later versions, the base model
+  again, groups one version old (dynamo's counters of this process, which holds both the engine and the policy);
 - a new process pointed at the same cache folder compiles from the cache (a restarted worker, a replacement
   replica, a resumed run).
 
@@ -23,7 +24,7 @@ import torch
 from app.config import CompileConfig, RolloutConfig, TrainConfig
 from app.metrics import Stats
 from app.models.compile import compile_counts
-from app.models.lora import random_lora
+from app.models.lora import LoraShape, random_lora
 from app.rollout.diffusers_engine import DiffusersEngine
 from app.train.policy import Policy
 from app.train.update import make_optimizer, train_pass
@@ -51,26 +52,27 @@ def _policy(model_dir, adapter, compile=None, dtype=torch.float32) -> Policy:
                                   gradient_checkpointing=compile is not None)
 
 
-def _pass(policy, traj, train=TRAIN, step=0):
-    """One optimizer step on one group: (first-pass stats, mismatch stats, LoRA gradients)."""
+def _pass(policy, traj, train=TRAIN, step=0, policy_version=None):
+    """One optimizer step on one group: (first-pass stats, mismatch stats, LoRA gradients). policy_version: the
+    policy's adapter version (default: the group's, i.e. on-policy; one more: a group one version old)."""
     stats, mismatch = Stats(), Stats()
     optimizer = make_optimizer(policy, train)
     optimizer.step = lambda: None  # keep the weights: later passes score the same policy
     train_pass(policy, optimizer, train, step=step, epoch=0, trajectories=[traj],
                advantages=[torch.tensor([1.0, -0.5, 0.25, -0.75])], old=[traj.log_probs], stats=stats,
-               mismatch=mismatch, policy_version=traj.lora_version)
+               mismatch=mismatch, policy_version=traj.lora_version if policy_version is None else policy_version)
     grads = [p.grad.detach().clone() for p in policy.parameters()]
     return stats.result(), mismatch.result(), grads
 
 
 @pytest.fixture(scope="module")
 def compiled(tiny_model_dir, tmp_path_factory, aio):
-    """A compiled engine serving adapter 1 and a compiled policy holding it; the cache folder they share."""
+    """A compiled engine built as a run's replica is (its LoRA's shape from the model section: the zero adapter
+    until one is published), a compiled policy holding adapter 1, the cache folder they share, adapter 1."""
     settings = CompileConfig(enabled=True, cache_dir=str(tmp_path_factory.mktemp("compile_cache")))
     adapter = _adapter(tiny_model_dir, 1, seed=11)
-    engine = DiffusersEngine(tiny_model_dir, compile=settings)
+    engine = DiffusersEngine(tiny_model_dir, compile=settings, lora=LoraShape(4, 4.0, tuple(TARGETS)))
     aio(engine.start())
-    aio(engine.load_lora(adapter))
     yield engine, _policy(tiny_model_dir, adapter, compile=settings), settings, adapter
     aio(engine.close())
 
@@ -78,6 +80,7 @@ def compiled(tiny_model_dir, tmp_path_factory, aio):
 def test_compiled_first_pass_is_exact_and_the_update_is_the_eager_one(compiled, tiny_model_dir, aio):
     engine, policy, _, adapter = compiled
     assert engine.compiled and policy.compiled
+    aio(engine.load_lora(adapter))
     traj = aio(engine.generate(ROLLOUT.request(FIRST, seed=5, group_id=0)))
     assert traj.lora_version == 1
     stats, mismatch, grads = _pass(policy, traj)
@@ -101,9 +104,13 @@ def test_compiled_first_pass_is_exact_and_the_update_is_the_eager_one(compiled, 
 
 
 def test_nothing_compiles_again_after_the_first_groups(compiled, tiny_model_dir, aio):
+    """A run's order of events: the replica starts on the base model, the first step trains on its groups, then
+    trained adapters arrive (on the GPU the first one compiled a replica again), groups are scored one version old
+    (pipelined), an evaluation of the base model comes between. Nothing compiles after the first step."""
     engine, policy, _, _ = compiled
-    # warm-up, as a run's first step: two prompts of different lengths (the second makes the text dimension
-    # dynamic), the policy trained on both
+    aio(engine.load_lora(None))  # as a replica starts (what an earlier test of this module loaded is dropped)
+    # the first step: the base model's groups of two prompts of different lengths (the second makes the text
+    # dimension dynamic), the policy trained on both
     for seed, prompt in enumerate([FIRST, 'a poster with the words "FLOW GRPO" in large letters']):
         _pass(policy, aio(engine.generate(ROLLOUT.request(prompt, seed=seed, group_id=seed))))
     before = compile_counts()
@@ -114,8 +121,10 @@ def test_nothing_compiles_again_after_the_first_groups(compiled, tiny_model_dir,
         aio(engine.load_lora(_adapter(tiny_model_dir, version, seed=version)))
         traj = aio(engine.generate(ROLLOUT.request(prompt, seed=version, group_id=version, sde_window=window)))
         assert traj.lora_version == version
-        stats, _, _ = _pass(policy, traj, step=version)
+        stats, _, _ = _pass(policy, traj, step=version, policy_version=version + 1)  # one version old
         assert stats["actor/ratio_dev_first_pass_max"] == 0.0
+    aio(engine.load_lora(None))  # the base model again (an evaluation's reference)
+    assert aio(engine.generate(ROLLOUT.request(FIRST, seed=9, group_id=9))).lora_version == 0
     assert compile_counts() == before
 
 

@@ -102,9 +102,15 @@ def velocity(
 
 
 def _batch_embeds(embeds: torch.Tensor, mask: torch.Tensor, batch: int, device, dtype):
-    """A group's [S, D] embeddings and [S] mask repeated for a batch of its samples (views)."""
-    return (embeds.to(device=device, dtype=dtype).unsqueeze(0).expand(batch, -1, -1),
-            mask.to(device=device).unsqueeze(0).expand(batch, -1))
+    """A group's [S, D] embeddings and [S] mask repeated for a batch of its samples (views). A mask of ones (a
+    group is one prompt: no padding) becomes None, as vllm-omni's transformer and diffusers' `encode_prompt` make
+    it: attention then runs without a bias, in the GPU's flash kernels, and a compiled block is not guarded on the
+    text length's alignment (a masked CUDA attention pads its bias to a multiple of 8: a prompt of the other
+    residue compiled the trainer again mid-run)."""
+    embeds = embeds.to(device=device, dtype=dtype).unsqueeze(0).expand(batch, -1, -1)
+    if bool(mask.bool().all()):
+        return embeds, None
+    return embeds, mask.to(device=device).unsqueeze(0).expand(batch, -1)
 
 
 def group_velocity(transformer, timesteps: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,

@@ -1,0 +1,38 @@
+#!/bin/bash
+# The loop at scale on a lent multi-GPU machine: jobs.train with the real-size random Qwen-Image, the fast recipe
+# (SDE window 2 of 10, 16 images a step, JPEG reward), placements and schedules side by side. One device-tool call
+# per stage, back to back (a machine keeps /tmp only while calls follow each other). In the project root, the
+# device wheels installed (../shared/tools/device-wheels --no-ocr), PYTHONPATH set:
+#   bash docs/perf/scale/gpu_runs.sh build | job NAME STEPS [overrides...]
+# Writes logs and metrics.jsonl into $OUT (the device tool's folder; ./out elsewhere). GPU figures come from the
+# diffusers engine (vllm cannot be installed beside the image's torch).
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+MODEL=/tmp/qwen-image-full
+CACHE=/tmp/compile_cache   # one inductor cache for every stage of a lease
+CFG=configs/qwen_image_ocr_2gpu.yaml
+FAST=(rollout.sde_window.size=2 "rollout.sde_window.range=[0,5]" train.timestep_fraction=1 train.groups_per_step=2)
+JPEG=("reward.weights={jpeg_compressibility: 1.0}" train.seed=0 train.checkpoint_every=0 logging.image_every=0)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_COLOR_PREFIX=0
+
+case "$1" in
+  build)  # the real-size random Qwen-Image (60 blocks, 20.4B, bf16)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+    [ -f $MODEL/model_index.json ] || python -m jobs.make_tiny_models --preset qwen-image-full --out $MODEL 2>&1 | tail -1 ;;
+  job)  # job NAME STEPS [overrides]: e.g. job compiled_k1 10 train.max_staleness=1
+    name=$2; steps=$3; shift 3
+    timeout ${JOB_TIMEOUT:-560} python -m jobs.train --config $CFG model.path=$MODEL model.compile.cache_dir=$CACHE \
+      "${FAST[@]}" "${JPEG[@]}" train.num_steps=$steps logging.dir=/tmp/runs/$name "$@" > "$OUT/$name.log" 2>&1
+    echo "$name: exit $?"
+    cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
+    python - "$OUT/${name}_metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])] if sys.argv[1] else []
+keys = ["timing/step_s", "timing/train_s", "timing/rollout_s", "perf/images_per_s_per_gpu", "perf/mfu",
+        "perf/rollout_busy_share", "perf/trainer_busy_share", "compile/trainer_new_frames",
+        "compile/rollout_new_frames_max", "actor/ratio_dev_first_pass_max", "reward/mean"]
+for r in rows:
+    print(r["step"], " ".join(f"{k.split('/')[-1]}={r.get(k, float('nan')):.4g}" for k in keys))
+PY
+    ;;
+esac
