@@ -338,8 +338,7 @@ class Progress:
         ratio_dev, mismatch = metrics["actor/ratio_dev_first_pass_max"], metrics["rollout/logprob_mismatch_max"]
         stale = metrics.get("actor/ratio_dev_stale_max", 0.0)  # groups of an earlier adapter (pipelined)
         # compiled after this process's first step: a change of shape or state the compiled blocks are guarded on
-        new = {side: metrics.get(f"compile/{side}_new_frames{suffix}", 0.0)
-               for side, suffix in [("trainer", ""), ("rollout", "_max")]}
+        new = {side: metrics.get(f"compile/{side}_new_frames", 0.0) for side in ("trainer", "rollout")}
         compiled = ", ".join(f"{side} +{n:.0f} frames" for side, n in new.items() if n) if done > 1 else ""
         print(f"[flowgrpo] step {step + 1}/{self.total}  reward {reward:+.4f}  loss {loss:+.2e}  "
               f"|ratio-1| first pass {ratio_dev:.1e}{f' (stale groups {stale:.1e})' if stale else ''}  "

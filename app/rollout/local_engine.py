@@ -99,13 +99,15 @@ class LocalEngine:
 
     def _generate_locked(self, request: GenerationRequest, seed: int) -> Trajectory:
         with self._lock, torch.no_grad():
+            frames = compile_counts()["frames"] if self.compiled else 0
             swap = self._apply_staged()
             started = time.perf_counter()
             traj = self._generate(request, seed)
             traj.producer.update({"engine": self.kind, "pid": os.getpid(),
                                   "seconds": time.perf_counter() - started, "adapter_swap_s": swap})
-            if self.compiled:  # steady state: this stops growing after the first groups
+            if self.compiled:  # steady state: the first stops growing and the second is 0 after the first groups
                 traj.producer["compile_frames"] = compile_counts()["frames"]
+                traj.producer["compile_frames_new"] = traj.producer["compile_frames"] - frames  # for this group
             if self.device.type == "cuda":
                 traj.producer["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             return traj

@@ -65,7 +65,6 @@ class Worker:
     log: run_metrics.RunLog | run_metrics.NullRunLog = field(default_factory=run_metrics.NullRunLog)  # rank 0 logs
     evaluator: RunEvaluator | None = None  # rank 0, with evaluation on (eval.every, eval.before_train)
     compiled_frames: int = 0  # dynamo frames this process had compiled at the end of the last step
-    replica_frames: dict[str, int] = field(default_factory=dict)  # the same, per rollout replica, as last reported
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -167,24 +166,19 @@ def _worker_metrics(worker: Worker, step: int, groups: list[ScoredGroup], stats:
 
 def _compile_metrics(worker: Worker, groups: list[ScoredGroup]) -> dict[str, float]:
     """Compilations so far (`_frames_max`: the most any one process has compiled) and this step's new ones, counted
-    per process and summed (`compile/trainer_new_frames`: every rank's; `compile/rollout_new_frames_max`: the
-    replicas whose groups this worker got, from the frame count each group reports). A maximum alone hides a rank
-    that compiles what another compiled steps before (seen on 4 GPUs). Steady state: the new ones stay 0."""
+    in the process that compiled them and summed: `compile/trainer_new_frames` over the ranks since their last
+    step, `compile/rollout_new_frames` over the step's groups while each was generated (its replica's count). A
+    maximum alone hides a rank that compiles what another compiled steps before (seen on 4 GPUs). Steady state:
+    both new counts stay 0 after a process's first step."""
     frames = compile_counts()["frames"]
     out = {"compile/trainer_frames_max": float(frames),
-           "compile/trainer_new_frames_sum": float(frames - worker.compiled_frames)}
+           "compile/trainer_new_frames_sum": float(frames - worker.compiled_frames),
+           "compile/rollout_frames_max": float(max(s.trajectory.producer.get("compile_frames", 0) for s in groups)),
+           "compile/rollout_new_frames_sum": float(sum(s.trajectory.producer.get("compile_frames_new", 0)
+                                                       for s in groups))}
     worker.compiled_frames = frames
     for name, count in cache_counts().items():  # the shared cache, as this worker's process met it
         out[f"compile/trainer_{name}_max"] = float(count)
-    replicas: dict[str, int] = {}
-    for s in groups:
-        producer = s.trajectory.producer
-        if "compile_frames" in producer:
-            key = str(producer.get("replica", producer.get("pid")))
-            replicas[key] = max(replicas.get(key, 0), int(producer["compile_frames"]))
-    out["compile/rollout_frames_max"] = float(max(replicas.values(), default=0))
-    out["compile/rollout_new_frames_max"] = float(sum(n - worker.replica_frames.get(r, 0) for r, n in replicas.items()))
-    worker.replica_frames.update(replicas)
     return out
 
 
@@ -198,7 +192,7 @@ def _step_metrics(worker: Worker, local: dict[str, float], rewards: dict, adv_me
            "rollout/adapter_version": float(worker.adapter.version),
            "rollout/images": float(sum(len(r.total) for r in rewards.values())), **timer.metrics()}
     out.update(throughput(out, useful_tflop=out.pop("perf/useful_tflop"), gpus=_gpus(cfg)))
-    out.update(busy_shares(out, rollout_busy_s=out.pop("perf/rollout_busy_s"),
+    out.update(busy_shares(out, rollout_busy_s=out["perf/rollout_busy_s"],
                            replicas=cfg.rollout.num_replicas, replica_gpus=cfg.rollout.replica_num_gpus,
                            workers=cfg.cluster.num_workers,
                            worker_gpus=cfg.cluster.worker_num_gpus if cfg.cluster.use_gpu else 0.0))

@@ -19,8 +19,13 @@ case "$1" in
   build)  # the real-size random Qwen-Image (60 blocks, 20.4B, bf16)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
     [ -f $MODEL/model_index.json ] || python -m jobs.make_tiny_models --preset qwen-image-full --out $MODEL 2>&1 | tail -1 ;;
-  job)  # job NAME STEPS [overrides]: e.g. job compiled_k1 10 train.max_staleness=1
-    name=$2; steps=$3; shift 3
+  job|kill)  # job NAME STEPS [overrides]: e.g. job compiled_k1 10 train.max_staleness=1; kill: the same, and the
+    # trainer's worker gets SIGKILL once step $KILL_AT is done (the run restarts from its last checkpoint)
+    mode=$1; name=$2; steps=$3; shift 3
+    if [ $mode = kill ]; then
+      ( until grep -q "\[flowgrpo\] step ${KILL_AT:-5}/" "$OUT/$name.log" 2>/dev/null; do sleep 0.5; done
+        pkill -9 -f "ray::RayTrainWorker" && echo "killed the trainer's worker at $(date +%s.%N)" >> "$OUT/$name.kill" ) &
+    fi
     timeout ${JOB_TIMEOUT:-560} python -m jobs.train --config $CFG model.path=$MODEL model.compile.cache_dir=$CACHE \
       "${FAST[@]}" "${JPEG[@]}" train.num_steps=$steps logging.dir=/tmp/runs/$name "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $?"
@@ -30,7 +35,7 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])] if sys.argv[1] else []
 keys = ["timing/step_s", "timing/train_s", "timing/rollout_s", "perf/images_per_s_per_gpu", "perf/mfu",
         "perf/rollout_busy_share", "perf/trainer_busy_share", "compile/trainer_new_frames",
-        "compile/rollout_new_frames_max", "actor/ratio_dev_first_pass_max", "reward/mean"]
+        "compile/rollout_new_frames", "actor/ratio_dev_first_pass_max", "reward/mean"]
 for r in rows:
     print(r["step"], " ".join(f"{k.split('/')[-1]}={r.get(k, float('nan')):.4g}" for k in keys))
 PY

@@ -1,0 +1,152 @@
+"""Choose how many GPUs generate and how many train, and whether the two halves share GPUs.
+
+    python -m jobs.plan --config CONFIG --gpus N --metrics RUN/metrics.jsonl [key=value ...]
+    python -m jobs.plan --config CONFIG --gpus N --bench-rollout ROLLOUT.jsonl --bench-train TRAIN.jsonl
+
+From what each side costs per image, measured by a run of the same recipe (its steps after the first: any
+placement, any GPU count; the run's own `config.yaml` beside its metrics says which) or by the two benches
+(`jobs.bench_rollout`, `jobs.bench_train_step`, their last JSON line), it predicts every placement of N GPUs for
+CONFIG's recipe (groups per step, group size, `train.max_staleness`) and prints them best first with the overrides
+of the best (app/plan.py has the model). A placement must divide the step's groups over its ranks and fit the GPUs'
+memory (`--gpu-gib`, default: this machine's first GPU; the shared placement holds a replica and a rank on each).
+N can be any count, several nodes' GPUs included: a replica or a rank is one GPU, or half of one when shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from app.config import ConfigError, load
+from app.plan import Prediction, Rates, plan, rates_from_benches, rates_from_metrics
+
+
+class PlanError(ValueError):
+    """A missing or malformed input, said in one line."""
+
+
+def read_jsonl(path: str, what: str) -> list[dict]:
+    file = Path(path)
+    if not file.is_file():
+        raise PlanError(f"{what} {path}: no such file")
+    rows = []
+    for number, line in enumerate(file.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise PlanError(f"{what} {path}: line {number} is not JSON ({e.msg})") from None
+    if not rows:
+        raise PlanError(f"{what} {path}: empty")
+    return rows
+
+
+def measured_rates(args, config) -> Rates:
+    """The rates of --metrics (with the measured run's placement) or of the two benches."""
+    if args.metrics:
+        rows = read_jsonl(args.metrics, "--metrics")
+        run_config = Path(args.metrics).with_name("config.yaml")
+        run = load(str(run_config)) if run_config.is_file() else config  # the measured run's placement
+        replicas, ranks = run.rollout.num_replicas, run.cluster.num_workers
+        shared = run.rollout.replica_num_gpus < 1 and run.cluster.worker_num_gpus < 1
+        where = f"{replicas} replica(s) + {ranks} rank(s){', sharing GPUs' if shared else ''}"
+        return rates_from_metrics(rows, replicas=replicas, ranks=ranks, shared=shared,
+                                  source=f"{args.metrics} ({where}{'' if run_config.is_file() else ', as CONFIG'})")
+    if not (args.bench_rollout and args.bench_train):
+        raise PlanError("give the measured rates: --metrics RUN/metrics.jsonl, or --bench-rollout and --bench-train")
+    rollout = read_jsonl(args.bench_rollout, "--bench-rollout")[-1]
+    train = read_jsonl(args.bench_train, "--bench-train")[-1]
+    return rates_from_benches(rollout, train, trained_steps=trained_steps(config),
+                              source=f"{args.bench_rollout} and {args.bench_train}")
+
+
+def trained_steps(config) -> int:
+    """Denoising steps trained per image by the recipe: its SDE window's, or a fraction of all."""
+    rollout = config.rollout
+    stochastic = rollout.sde_window.size or rollout.num_inference_steps
+    return max(1, round(stochastic * config.train.timestep_fraction))
+
+
+def gpu_memory_gib(given: float | None) -> float | None:
+    if given is not None:
+        return given
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / 2**30
+    except ImportError:
+        pass
+    return None
+
+
+def weights_gib(config) -> float | None:
+    """The denoiser's weights on disk (what FSDP2 shards over ranks), when the model folder is here."""
+    folder = Path(config.model.path or "") / "transformer"
+    files = list(folder.glob("*.safetensors")) if folder.is_dir() else []
+    return sum(f.stat().st_size for f in files) / 2**30 if files else None
+
+
+def table(predictions: list[Prediction]) -> str:
+    lines = [f"  {'placement':<40} {'s/step':>7} {'img/s/GPU':>10} {'MFU':>6}  busy rollout/trainer  memory"]
+    for k, p in enumerate(predictions):
+        mark = "*" if k == 0 and p.fits is not False else " "
+        memory = {True: "fits", False: f"no: {p.why_not}", None: "not checked"}[p.fits]
+        lines.append(f"{mark} {p.placement.describe():<40} {p.step_s:>7.1f} {p.images_per_s_per_gpu:>10.3f} "
+                     f"{100 * p.mfu:>5.1f}%  {p.rollout_busy:>8.2f} / {p.trainer_busy:.2f}      {memory}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the recipe to place (a run config)")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs to place it on (all nodes together)")
+    parser.add_argument("--metrics", help="metrics.jsonl of a run of the same recipe (its config.yaml beside it)")
+    parser.add_argument("--bench-rollout", help="jobs.bench_rollout's JSON line(s), the last is used")
+    parser.add_argument("--bench-train", help="jobs.bench_train_step's JSON line(s), the last is used")
+    parser.add_argument("--gpu-gib", type=float, help="memory of one GPU (default: this machine's first GPU)")
+    parser.add_argument("--shared-efficiency", type=float, default=0.9,
+                        help="the share of both halves' work alone that one shared GPU gets done while both run "
+                             "(default 0.9: one H200, the fast recipe, eager)")
+    parser.add_argument("--json", action="store_true", help="one JSON line per placement instead of the table")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of CONFIG")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        if args.gpus < 1:
+            raise PlanError(f"--gpus {args.gpus}: at least one GPU")
+        config = load(args.config, args.overrides)
+        rates = measured_rates(args, config)
+        gib = gpu_memory_gib(args.gpu_gib)
+        groups, n = config.train.groups_per_step, config.rollout.group_size
+        predictions = plan(rates, gpus=args.gpus, groups=groups, group_size=n, staleness=config.train.max_staleness,
+                           gpu_gib=gib, weights_gib=weights_gib(config), efficiency=args.shared_efficiency)
+    except (PlanError, ConfigError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        for p in predictions:
+            print(json.dumps({"placement": p.placement.describe(), "overrides": p.placement.overrides(),
+                              "gpus": p.placement.gpus, "step_s": round(p.step_s, 3),
+                              "images_per_s_per_gpu": round(p.images_per_s_per_gpu, 4), "mfu": round(p.mfu, 4),
+                              "rollout_busy": round(p.rollout_busy, 3), "trainer_busy": round(p.trainer_busy, 3),
+                              "fits": p.fits, "why_not": p.why_not}))
+        return 0
+    k = config.train.max_staleness
+    print(f"jobs.plan: {args.gpus} GPU(s){f' of {gib:.0f} GiB' if gib else ' (memory not checked: --gpu-gib)'}, "
+          f"{groups} groups of {n} a step, {'pipelined' if k else 'on-policy'} (train.max_staleness={k})")
+    print(f"rates from {rates.source}: rollout {rates.rollout_s:.3f} s/image per replica, train {rates.train_s:.3f} "
+          f"s/image per rank, overhead {rates.overhead_s:.2f} s/step")
+    print(table(predictions))
+    best = predictions[0]
+    if best.fits is False:
+        print(f"no placement of {args.gpus} GPU(s) can run this recipe: {best.why_not}")
+        return 1
+    print(f"choose {best.placement.describe()}: predicted {best.images_per_s_per_gpu:.3f} img/s/GPU")
+    print(f"  python -m jobs.train --config {args.config} {' '.join(args.overrides + best.placement.overrides())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

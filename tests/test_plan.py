@@ -1,0 +1,139 @@
+"""The placement planner (`app/plan.py`, `python -m jobs.plan`): hand-worked steps from synthetic phase times, the
+choice it makes, what cannot run, rates read from a run's metrics, and its predictions against the two-GPU runs of
+docs/perf/scale/ (within 15 %)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.plan import Placement, Rates, plan, predict, rates_from_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+SCALE = REPO / "docs" / "perf" / "scale"
+RATES = Rates(rollout_s=0.5, train_s=1.0, overhead_s=1.0, reward_tail_s=0.5, useful_tflop=9.89)
+
+
+def test_a_step_by_hand_pipelined_and_on_policy():
+    """4 groups of 8: the replica generates 32 images at 0.5 s (16 s), the rank trains them at 1 s (32 s)."""
+    split = predict(RATES, Placement("split", 1, 1, staleness=1), groups=4, group_size=8)
+    assert split.step_s == 32 + 1  # the trainer binds; the rollout hides behind it
+    assert split.images_per_s_per_gpu == pytest.approx(32 / 33 / 2)
+    assert split.mfu == pytest.approx(9.89 * 32 / 33 / 2 / 989)
+    assert (split.rollout_busy, split.trainer_busy) == pytest.approx((16 / 33, 32 / 33))
+    on_policy = predict(RATES, Placement("split", 1, 1, staleness=0), groups=4, group_size=8)
+    assert on_policy.step_s == 16 + 0.5 + 32 + 1  # the two sides take turns, the reward's tail between them
+    # shared, 2 GPUs: each does 2 groups of each side (8 + 16 s of work alone) on one GPU at 0.8 efficiency
+    shared = predict(RATES, Placement("shared", 2, 2, staleness=1), groups=4, group_size=8, efficiency=0.8)
+    assert shared.step_s == pytest.approx(24 / 0.8 + 1)
+    # 3 groups over 2 replicas: one replica generates two of them
+    uneven = predict(RATES, Placement("split", 2, 1, staleness=0), groups=3, group_size=8)
+    assert uneven.step_s == 2 * 8 * 0.5 + 0.5 + 3 * 8 * 1.0 + 1
+
+
+def test_the_slower_side_gets_more_gpus():
+    trainer_bound = plan(RATES, gpus=3, groups=4, group_size=8, staleness=1)
+    assert trainer_bound[0].placement == Placement("split", 1, 2, 1)
+    rollout_bound = plan(Rates(rollout_s=1.0, train_s=0.25), gpus=3, groups=4, group_size=8, staleness=1)
+    assert rollout_bound[0].placement == Placement("split", 2, 1, 1)
+    # one GPU: only the shared placement exists
+    assert [p.placement.kind for p in plan(RATES, gpus=1, groups=4, group_size=8, staleness=1)] == ["shared"]
+
+
+def test_what_cannot_run_is_said_and_ranked_last():
+    rates = Rates(rollout_s=0.5, train_s=0.5, rollout_gib=48.0, trainer_gib=53.0, ranks=1)
+    on_80 = plan(rates, gpus=2, groups=2, group_size=8, staleness=1, gpu_gib=80, weights_gib=38.0)
+    shared = next(p for p in on_80 if p.placement.kind == "shared")
+    assert shared.fits is False and "replica + rank need 82 GiB of a 80 GiB GPU" in shared.why_not  # 48 + 53 - 19
+    assert on_80[-1] is shared and on_80[0].fits is True
+    on_141 = plan(rates, gpus=2, groups=2, group_size=8, staleness=1, gpu_gib=141, weights_gib=38.0)
+    assert all(p.fits for p in on_141)
+    odd = plan(rates, gpus=3, groups=3, group_size=8, staleness=1)  # every rank trains as many groups
+    (two_ranks,) = [p for p in odd if p.placement.ranks == 2]
+    assert two_ranks is odd[-1] and two_ranks.fits is False
+    assert two_ranks.why_not == "3 groups do not divide over 2 ranks (train.groups_per_step)"
+
+
+def _row(step, images=16, step_s=12.0, train_s=10.0, rollout_busy_s=11.2, **extra):
+    return {"step": step, "rollout/images": images, "timing/step_s": step_s, "timing/train_s": train_s,
+            "perf/rollout_busy_s": rollout_busy_s, "timing/publish_s": 0.5, "timing/other_s": 0.1,
+            "perf/useful_tflop": 16 * 30.0, "memory/rollout_peak_gib_max": 48.0,
+            "memory/trainer_peak_gib_max": 53.0, **extra}
+
+
+def test_rates_from_a_runs_metrics_skip_the_first_step():
+    rows = [_row(1, step_s=200.0, train_s=180.0, rollout_busy_s=40.0), _row(2), _row(3), _row(4, train_s=12.0)]
+    rates = rates_from_metrics(rows, replicas=1, ranks=2, shared=False)
+    assert rates.rollout_s == pytest.approx(11.2 / 16)
+    assert rates.train_s == pytest.approx(10.0 * 2 / 16)  # the median step; rank-seconds per image
+    assert rates.overhead_s == pytest.approx(0.6) and rates.useful_tflop == pytest.approx(30.0)
+    assert (rates.rollout_gib, rates.trainer_gib, rates.ranks) == (48.0, 53.0, 2)
+    # a run from before `perf/rollout_busy_s` was logged: the busy share times the replicas and the step
+    old = [{k: v for k, v in _row(s).items() if k != "perf/rollout_busy_s"} | {"perf/rollout_busy_share": 0.5}
+           for s in (2, 3)]
+    assert rates_from_metrics(old, replicas=2, ranks=1, shared=False).rollout_s == pytest.approx(0.5 * 2 * 12 / 16)
+    with pytest.raises(ValueError, match="not a jobs.train metrics.jsonl"):
+        rates_from_metrics([{"step": 2, "loss": 1.0}], replicas=1, ranks=1, shared=False)
+
+
+def _plan_cli(*args):
+    return subprocess.run([sys.executable, "-m", "jobs.plan", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+CONFIG = ["--config", "configs/qwen_image_ocr_2gpu.yaml", "model.path=/nonexistent", "rollout.sde_window.size=2",
+          "rollout.sde_window.range=[0,5]", "train.timestep_fraction=1", "train.groups_per_step=2"]
+
+
+def test_the_predictions_match_the_two_gpu_runs():
+    """Rates from the compiled pipelined run on 2x H200 (1 replica + 1 rank) predict it and the on-policy run
+    beside it within 15 %; the 80 GB card rules the shared placement out."""
+    measured = {}
+    for name in ("compiled_k1", "compiled_k0"):
+        rows = [json.loads(line) for line in (SCALE / f"{name}_metrics.jsonl").read_text().splitlines()]
+        measured[name] = sum(r["timing/step_s"] for r in rows[1:]) / len(rows[1:])
+    for k, name in [(1, "compiled_k1"), (0, "compiled_k0")]:
+        out = _plan_cli(*CONFIG, f"train.max_staleness={k}", "--gpus", "2", "--gpu-gib", "80", "--json",
+                        "--metrics", str(SCALE / "compiled_k1_metrics.jsonl"))
+        assert out.returncode == 0, out.stderr
+        lines = [json.loads(line) for line in out.stdout.splitlines()]
+        split = next(p for p in lines if p["placement"] == "split: 1 replica + 1 rank")
+        assert math.isclose(split["step_s"], measured[name], rel_tol=0.15), (split, measured[name])
+        assert lines[0] is split and lines[-1]["fits"] is False
+
+
+def test_bad_inputs_get_one_line(tmp_path):
+    assert _plan_cli("--help").returncode == 0
+    missing = _plan_cli(*CONFIG, "--gpus", "2", "--metrics", str(tmp_path / "nope.jsonl"))
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        f"error: --metrics {tmp_path / 'nope.jsonl'}: no such file"]
+    broken = tmp_path / "metrics.jsonl"
+    broken.write_text(json.dumps(_row(2)) + "\n{not json\n")
+    out = _plan_cli(*CONFIG, "--gpus", "2", "--metrics", str(broken))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "line 2 is not JSON" in out.stderr
+    none = _plan_cli(*CONFIG, "--gpus", "2")
+    assert none.returncode == 2 and "--metrics RUN/metrics.jsonl, or --bench-rollout and --bench-train" in none.stderr
+
+
+def test_a_run_folder_says_its_own_placement(tmp_path):
+    """The measured run's config.yaml beside its metrics gives its placement (here 2 ranks), whatever CONFIG says;
+    the chosen placement's overrides come out as a command."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(_row(s)) for s in (1, 2, 3)))
+    made = subprocess.run([sys.executable, "-c", f"""
+from app.config import load, to_yaml
+config = load("configs/qwen_image_ocr_2gpu.yaml", ["model.path=/nonexistent", "cluster.num_workers=2"])
+open({str(run / "config.yaml")!r}, "w").write(to_yaml(config))
+"""], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    out = _plan_cli(*CONFIG, "--gpus", "3", "--gpu-gib", "80", "--metrics", str(run / "metrics.jsonl"))
+    assert out.returncode == 0, out.stderr
+    assert "(1 replica(s) + 2 rank(s))" in out.stdout  # train_s = 10 s x 2 ranks / 16 images = 1.25 s/image
+    assert "train 1.250 s/image per rank" in out.stdout
+    assert "choose split: 1 replica + 2 ranks" in out.stdout
+    assert "rollout.num_replicas=1 rollout.replica_num_gpus=1 cluster.num_workers=2 cluster.worker_num_gpus=1" in \
+        out.stdout
