@@ -179,6 +179,9 @@ class RolloutConfig:
     num_replicas: int = 1
     replica_num_cpus: float = 1.0
     replica_num_gpus: float = 0.0
+    # custom Ray resources each replica reserves besides CPUs and GPUs: {name: amount}. Nodes started with
+    # `ray start --resources='{"rollout_node": 8}'` and `{rollout_node: 1}` here keep the replicas on those nodes
+    replica_resources: dict[str, float] = field(default_factory=dict)
     # concurrent requests one replica accepts (vllm-omni queues them and batches up to max_num_seqs per forward)
     max_ongoing_requests: int = 4
     max_num_seqs: int = 1
@@ -362,6 +365,9 @@ class ClusterConfig:
     worker_num_cpus: float = 1.0
     # GPUs of each worker (with use_gpu); a fraction shares a GPU with a rollout replica (one-GPU machines)
     worker_num_gpus: float = 1.0
+    # custom Ray resources each worker reserves besides CPUs and GPUs (as rollout.replica_resources): e.g.
+    # {trainer_node: 1} keeps the FSDP2 ranks on the nodes that have that resource
+    worker_resources: dict[str, float] = field(default_factory=dict)
     # Serve's HTTP port on this cluster (the rollout/reward API stays reachable while training)
     serve_port: int = 8000
 
@@ -402,23 +408,34 @@ class RunConfig:
         return AppConfig(model=self.model, rollout=self.rollout, reward=self.reward, serve=self.serve)
 
     def resources(self) -> dict[str, dict[str, float]]:
-        """What the run's processes reserve on the Ray cluster, part by part: {part: {"CPU": n, "GPU": n}}
-        (the Serve application's deployments and the training workers; Ray's and Serve's own actors take none)."""
+        """What the run's processes reserve on the Ray cluster, part by part: {part: {"CPU": n, "GPU": n, custom
+        resource: n}} (the Serve application's deployments and the training workers; Ray's and Serve's own actors
+        take none)."""
         ro, rw, cl = self.rollout, self.reward, self.cluster
         return {
-            f"rollout ({ro.num_replicas} x rollout.replica_num_cpus/gpus)":
-                {"CPU": ro.num_replicas * ro.replica_num_cpus, "GPU": ro.num_replicas * ro.replica_num_gpus},
+            f"rollout ({ro.num_replicas} x rollout.replica_num_cpus/gpus/resources)":
+                {"CPU": ro.num_replicas * ro.replica_num_cpus, "GPU": ro.num_replicas * ro.replica_num_gpus,
+                 **{k: ro.num_replicas * v for k, v in ro.replica_resources.items()}},
             f"reward ({rw.num_replicas} x reward.replica_num_cpus)": {"CPU": rw.num_replicas * rw.replica_num_cpus},
             "HTTP ingress (serve.api_num_cpus)": {"CPU": self.serve.api_num_cpus},
-            f"training ({cl.num_workers} x cluster.worker_num_cpus/gpus)":
+            f"training ({cl.num_workers} x cluster.worker_num_cpus/gpus/resources)":
                 {"CPU": cl.num_workers * cl.worker_num_cpus,
-                 "GPU": cl.num_workers * cl.worker_num_gpus if cl.use_gpu else 0.0},
+                 "GPU": cl.num_workers * cl.worker_num_gpus if cl.use_gpu else 0.0,
+                 **{k: cl.num_workers * v for k, v in cl.worker_resources.items()}},
         }
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _check_custom_resources(key: str, resources: dict[str, float], prefix: str) -> None:
+    for name, amount in resources.items():
+        _require(name not in ("CPU", "GPU", "memory", "object_store_memory"),
+                 f"{key}: {name} is not a custom resource; set {prefix}{name.lower()}s instead"
+                 if name in ("CPU", "GPU") else f"{key}: {name} is Ray's own; name a custom resource")
+        _require(amount > 0, f"{key}: {name}={amount} must be > 0")
 
 
 def _check_app(config: AppConfig | RunConfig) -> None:
@@ -449,6 +466,7 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     _require(rollout.replica_num_cpus > 0 and rollout.replica_num_gpus >= 0,
              f"rollout.replica_num_cpus={rollout.replica_num_cpus} must be > 0 and "
              f"rollout.replica_num_gpus={rollout.replica_num_gpus} >= 0")
+    _check_custom_resources("rollout.replica_resources", rollout.replica_resources, "rollout.replica_num_")
     _require(bool(reward.weights), "reward.weights is empty: name at least one reward, e.g. {ocr: 1.0}")
     unknown = sorted(set(reward.weights) - set(REWARD_NAMES))
     _require(not unknown, f"reward.weights names unknown rewards {unknown}: known are {list(REWARD_NAMES)}")
@@ -498,6 +516,7 @@ def _check_run(config: RunConfig) -> None:
     _require(cluster.num_workers >= 1, f"cluster.num_workers={cluster.num_workers} must be >= 1")
     _require(0 < cluster.worker_num_gpus <= 1 or float(cluster.worker_num_gpus).is_integer(),
              f"cluster.worker_num_gpus={cluster.worker_num_gpus} must be a fraction in (0, 1] or a whole number")
+    _check_custom_resources("cluster.worker_resources", cluster.worker_resources, "cluster.worker_num_")
     _require(train.groups_per_step % cluster.num_workers == 0,
              f"train.groups_per_step={train.groups_per_step} must be divisible by "
              f"cluster.num_workers={cluster.num_workers} "

@@ -96,7 +96,8 @@ def build_app(args: Mapping | AppConfig) -> Application:
         max_ongoing_requests=rollout.max_ongoing_requests, health_check_period_s=30,
         health_check_timeout_s=60, logging_config=logging_config,
         ray_actor_options={"num_cpus": rollout.replica_num_cpus, "num_gpus": rollout.replica_num_gpus,
-                           "runtime_env": env},
+                           "runtime_env": env,
+                           **({"resources": dict(rollout.replica_resources)} if rollout.replica_resources else {})},
     ).bind(model, rollout, adapters=adapters, torch_threads=settings.replica_torch_threads)
     reward_app = serve.deployment(
         _ServedReward, name="Reward", num_replicas=reward.num_replicas,

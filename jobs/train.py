@@ -117,12 +117,13 @@ def resource_shortfall(config: RunConfig, available: dict[str, float]) -> str | 
     short, the parts that need it and the keys that set them (Ray would otherwise wait for them forever)."""
     parts = config.resources()
     short = []
-    for kind in ("CPU", "GPU"):
+    for kind in ["CPU", "GPU", *sorted({k for p in parts.values() for k in p} - {"CPU", "GPU"})]:
         need = sum(p.get(kind, 0.0) for p in parts.values())
         have = float(available.get(kind, 0.0))
         if need > have + 1e-9:
             where = ", ".join(f"{name} {p[kind]:g}" for name, p in parts.items() if p.get(kind, 0.0) > 0)
-            short.append(f"{need:g} {kind}s ({where}) but the cluster has {have:g}")
+            short.append(f"{need:g} {kind if kind in ('CPU', 'GPU') else repr(kind)}s ({where}) but the cluster has "
+                         f"{have:g}")
     if not short:
         return None
     return "the run reserves " + "; and ".join(short) + ": lower those settings or use a larger cluster"
@@ -176,7 +177,8 @@ def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters):
     from app.train.loop import train_loop_per_worker
 
     cl = config.cluster
-    resources = {"CPU": cl.worker_num_cpus, **({"GPU": cl.worker_num_gpus} if cl.use_gpu else {})}
+    resources = {"CPU": cl.worker_num_cpus, **({"GPU": cl.worker_num_gpus} if cl.use_gpu else {}),
+                 **cl.worker_resources}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": config, "run_dir": str(run_dir), "rollout": rollout, "reward": reward,
@@ -193,8 +195,9 @@ def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters):
     return trainer.fit()
 
 
-def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None, *, resume: bool) -> str:
-    """What is about to run, in a few lines (the console's first lines)."""
+def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None, *, resume: bool,
+                    nodes: int = 1) -> str:
+    """What is about to run, in a few lines (the console's first lines); `nodes`: the Ray cluster's live nodes."""
     model, rollout, train, cluster = config.model, config.rollout, config.train, config.cluster
     rewards = " + ".join(f"{weight:g}·{name}" for name, weight in config.reward.weights.items())
     tiny = " (tiny, built locally)" if model.build_tiny else ""
@@ -202,7 +205,7 @@ def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None,
     return "\n".join([
         f"ray-flowgrpo: FlowGRPO LoRA training of {model.family} {model.path}{tiny}",
         f"  run folder:  {run_dir}{' (resuming)' if resume else ''}",
-        f"  cluster:     {cluster.address or 'local Ray cluster'}"
+        f"  cluster:     {cluster.address or 'local Ray cluster'}{f' ({nodes} nodes)' if nodes > 1 else ''}"
         + (f", dashboard http://{dashboard_url}" if dashboard_url else ""),
         f"  rollout:     {rollout.engine} engine x {rollout.num_replicas} replicas; groups of {rollout.group_size}, "
         f"{rollout.width}x{rollout.height}, {rollout.num_inference_steps} steps, noise level {rollout.noise_level:g}"
@@ -277,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if shortfall:  # an existing cluster may add nodes (an autoscaler): say so and go on
         print(f"warning: {shortfall} now; the run waits until it has them", file=sys.stderr, flush=True)
-    print(startup_summary(config, run_dir, getattr(context, "dashboard_url", None), resume=args.resume), flush=True)
+    nodes = sum(1 for node in ray.nodes() if node["Alive"])
+    print(startup_summary(config, run_dir, getattr(context, "dashboard_url", None), resume=args.resume, nodes=nodes),
+          flush=True)
     from ray import serve
 
     from deployments.builders import APP_NAME

@@ -36,14 +36,23 @@ def free_port() -> int:
 CRASHES = {"generation": "rollout.generate=5", "publish": "rollout.load_lora=5"}
 
 
-class JobCluster:
-    """A Ray cluster started as a user starts a long-lived one (`ray start --head --block`) for the job runs of a
-    test session: a job given it (`run_job(..., cluster=...)`) joins it as under `ray job submit`, and a job run
-    with `--keep-serving` leaves its Serve application to the next job of the same sections, which uses it instead
-    of loading every model again. Its processes carry the crash points of `CRASHES`, disarmed (their markers exist)
-    until a test arms them."""
+# the job cluster's two nodes, told apart by a custom resource: a run that asks for them
+# (`rollout.replica_resources={rollout_node: 1} cluster.worker_resources={trainer_node: 1}`) generates on one
+# node and trains on the other
+ROLLOUT_NODE, TRAINER_NODE = "rollout_node", "trainer_node"
+TWO_NODES = [f"rollout.replica_resources={{{ROLLOUT_NODE}: 1}}", f"cluster.worker_resources={{{TRAINER_NODE}: 1}}"]
 
-    def __init__(self, folder: Path, num_cpus: int = 4):
+
+class JobCluster:
+    """A Ray cluster started as a user starts a long-lived one (`ray start --head --block`, then a second node
+    joining it with `ray start --address`) for the job runs of a test session: a job given it (`run_job(...,
+    cluster=...)`) joins it as under `ray job submit`, and a job run with `--keep-serving` leaves its Serve
+    application to the next job of the same sections, which uses it instead of loading every model again. Its two
+    nodes (one machine: the same files, other raylets, object stores and ports) carry the custom resources of
+    `TWO_NODES`, so that a run can keep its replicas on one and its ranks on the other. Its processes carry the
+    crash points of `CRASHES`, disarmed (their markers exist) until a test arms them."""
+
+    def __init__(self, folder: Path, num_cpus: int = 4, trainer_cpus: int = 1):
         self.port, self.serve_port = free_port(), free_port()
         self.markers = {name: folder / f"crashed-{name}" for name in CRASHES}
         for marker in self.markers.values():
@@ -56,15 +65,27 @@ class JobCluster:
         ray_cli = str(Path(sys.executable).with_name("ray"))
         # its own temp folder (short: Ray's socket paths have a length limit): `ray start` writes the cluster's
         # address there, where a `ray.init()` of no address would otherwise find it and join it (the in-process
-        # tests' cluster, a job run that must start its own)
+        # tests' cluster, a job run that must start its own); the second node takes the head's
         self.temp_dir = tempfile.mkdtemp(prefix="rayjobs-", dir="/tmp")
-        self.proc = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={self.port}",
-                                      f"--num-cpus={num_cpus}", "--include-dashboard=false",
-                                      "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp_dir}"],
-                                     cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        log_path, deadline = folder / "ray_start.log", time.monotonic() + 120
-        while "Ray runtime started" not in log_path.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+        self.procs = [subprocess.Popen(
+            [ray_cli, "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={num_cpus}",
+             f"--resources={json.dumps({ROLLOUT_NODE: 100})}", "--include-dashboard=false",
+             "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp_dir}"],
+            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)]
+        self._wait_for("Ray runtime started", folder / "ray_start.log")
+        self.trainer_log = (folder / "ray_start_trainer_node.log").open("w")
+        self.procs.append(subprocess.Popen(
+            [ray_cli, "start", "--block", f"--address={self.address}", f"--num-cpus={trainer_cpus}",
+             f"--resources={json.dumps({TRAINER_NODE: 100})}", "--object-store-memory=500000000",
+             "--node-ip-address=127.0.0.1"],
+            cwd=REPO, env=env, stdout=self.trainer_log, stderr=subprocess.STDOUT))
+        self._wait_for("Ray runtime started", folder / "ray_start_trainer_node.log")
+
+    def _wait_for(self, text: str, log_path: Path) -> None:
+        deadline = time.monotonic() + 120
+        while text not in log_path.read_text():
+            if any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"ray start failed:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
 
@@ -73,9 +94,9 @@ class JobCluster:
         return f"127.0.0.1:{self.port}"
 
     @property
-    def pid(self) -> int:
-        """The `ray start` process: every process of the cluster descends from it."""
-        return self.proc.pid
+    def pids(self) -> list[int]:
+        """Both nodes' `ray start` processes: every process of the cluster descends from one of them."""
+        return [p.pid for p in self.procs]
 
     def arm(self) -> None:
         """Every crash point fires once more (at the first process that reaches it)."""
@@ -85,14 +106,18 @@ class JobCluster:
     def stop(self) -> None:
         """SIGKILL to every process of the cluster, as `ray stop --force` does (`ray start` cleans up nothing on a
         signal, and a raylet given SIGTERM drains for up to 30 s: nothing here needs draining)."""
-        if self.proc.poll() is not None:
-            return
-        procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        procs = []
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(psutil.Error):
+                    procs += [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         for proc in procs:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         psutil.wait_procs(procs, timeout=10)
-        self.log.close()
+        for log in (self.log, getattr(self, "trainer_log", None)):
+            if log is not None and not log.closed:
+                log.close()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
@@ -113,10 +138,11 @@ def history(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def processes_titled(title: str, root: int) -> list[psutil.Process]:
-    """Live descendants of process `root` whose title (Ray sets `ray::<actor class>...`) starts with `title`."""
+def processes_titled(title: str, roots: list[int]) -> list[psutil.Process]:
+    """Live descendants of the processes `roots` whose title (Ray sets `ray::<actor class>...`) starts with
+    `title`."""
     found = []
-    for proc in psutil.Process(root).children(recursive=True):
+    for proc in [child for root in roots for child in psutil.Process(root).children(recursive=True)]:
         try:
             if " ".join(proc.cmdline()).startswith(title):
                 found.append(proc)
@@ -125,9 +151,9 @@ def processes_titled(title: str, root: int) -> list[psutil.Process]:
     return sorted(found, key=lambda p: p.pid)
 
 
-def kill_first(title: str, root: int) -> str | None:
-    """SIGKILL the first live descendant of `root` titled `title`; "pid title" of it, None if there was none."""
-    for victim in processes_titled(title, root):
+def kill_first(title: str, roots: list[int]) -> str | None:
+    """SIGKILL the first live descendant of `roots` titled `title`; "pid title" of it, None if there was none."""
+    for victim in processes_titled(title, roots):
         try:
             described = f"{victim.pid} {' '.join(victim.cmdline())}"
             victim.send_signal(signal.SIGKILL)
@@ -154,7 +180,7 @@ class KilledRun:
         self.lines: list[str] = []
         self.job = subprocess.Popen(job_command(*args, cluster=cluster), cwd=REPO, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.root = cluster.pid if cluster else self.job.pid  # the processes to kill descend from it
+        self.roots = cluster.pids if cluster else [self.job.pid]  # the processes to kill descend from them
 
     def _watch(self) -> None:
         for line in self.job.stdout:
@@ -167,7 +193,7 @@ class KilledRun:
                     self.missed[step] = f"its precondition did not hold within {self.patience:.0f} s"
                     continue
                 try:  # at step k's line, or a later one should no such process be alive then
-                    victim = kill_first(title, self.root)
+                    victim = kill_first(title, self.roots)
                 except Exception as err:  # reported through `missed`: the watcher never dies silently
                     victim, self.missed[step] = None, f"{type(err).__name__}: {err}"
                 if victim is None:

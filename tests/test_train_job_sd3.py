@@ -9,13 +9,17 @@ The run is pipelined with an SDE window (`train.max_staleness=1`, noise on 2 of 
 the fast recipes, as a user runs it: step 1 trains on the base model's groups with the rollout's log-probs
 reproduced, every later step on groups sampled while the step before trained, exactly one adapter version old,
 none regenerated. (One run instead of one more: each end-to-end run pays a Ray cluster, a Serve app and a Train
-worker group before its first step.)"""
+worker group before its first step.)
+
+It is also the two-node run: the job cluster has two nodes (`job_runs.JobCluster`), and the run keeps its replica
+on one (`rollout.replica_resources`) and its FSDP2 ranks on the other (`cluster.worker_resources`), so the adapter's
+way to the replicas, the checkpoints, the run folder and the evaluations cross nodes as on a real cluster."""
 
 import json
 import math
 
 import pytest
-from job_runs import eval_lines, history, run_job
+from job_runs import TWO_NODES, eval_lines, history, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 STEPS = 8  # two checkpoints (every 4 steps), evaluations before the first step and after the last
@@ -27,9 +31,11 @@ def sd3_run(tmp_path_factory, job_cluster):
     # one replica of each (the Qwen-Image jobs exercise two): half the start-up CPU on 2 cores
     done = run_job(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "rollout.num_replicas=1",
                    "reward.num_replicas=1", "train.max_staleness=1", "rollout.sde_window.size=2",
-                   "rollout.sde_window.range=[0,3]", config="configs/tiny_sd3_cpu.yaml", cluster=job_cluster)
+                   "rollout.sde_window.range=[0,3]", *TWO_NODES, config="configs/tiny_sd3_cpu.yaml",
+                   cluster=job_cluster)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "training of sd3" in done.stdout
+    assert f"cluster:     {job_cluster.address} (2 nodes)" in done.stdout
     assert "pipelined: the next 1 step(s) generate while one trains" in done.stdout
     return run_dir
 
