@@ -324,5 +324,28 @@ def test_the_one_gpu_plan_fits_one_gpu_and_16_cpus_and_the_8_gpu_recipe_does_not
     assert sum(p.get("GPU", 0) for p in planned.values()) == 1.0
     assert resource_shortfall(load("configs/sd35m_ocr.yaml", one_gpu), machine) is None
     message = resource_shortfall(load("configs/sd35m_ocr.yaml", one_gpu[:2]), machine)
-    assert "8 GPUs (rollout (4 x rollout.replica_num_cpus/gpus) 4, training (4 x cluster.worker_num_cpus/gpus) 4)" \
-        in message and "48.25 CPUs" in message and "but the cluster has 1:" in message
+    assert ("8 GPUs (rollout (4 x rollout.replica_num_cpus/gpus/resources) 4, training (4 x "
+            "cluster.worker_num_cpus/gpus/resources) 4)") in message
+    assert "48.25 CPUs" in message and "but the cluster has 1:" in message
+
+
+def test_custom_resources_keep_the_halves_on_their_nodes_and_are_checked():
+    """`rollout.replica_resources` and `cluster.worker_resources` reserve custom Ray resources per replica and per
+    worker (nodes started with `ray start --resources=...`); the start-up check counts them like CPUs."""
+    from jobs.train import resource_shortfall
+
+    two_nodes = ["rollout.replica_resources={rollout_node: 1}", "cluster.worker_resources={trainer_node: 0.5}"]
+    config = load(CONFIGS / "tiny_cpu.yaml", two_nodes)
+    parts = config.resources()
+    assert parts["rollout (2 x rollout.replica_num_cpus/gpus/resources)"]["rollout_node"] == 2
+    assert parts["training (2 x cluster.worker_num_cpus/gpus/resources)"]["trainer_node"] == 1
+    cluster = {"CPU": 4.0, "rollout_node": 100.0, "trainer_node": 100.0}
+    assert resource_shortfall(config, cluster) is None
+    message = resource_shortfall(config, {"CPU": 4.0, "rollout_node": 100.0})
+    assert ("1 'trainer_node's (training (2 x cluster.worker_num_cpus/gpus/resources) 1) but the cluster has 0"
+            in message)
+    with pytest.raises(ConfigError, match="cluster.worker_resources: CPU is not a custom resource; set "
+                                          "cluster.worker_num_cpus instead"):
+        load(CONFIGS / "tiny_cpu.yaml", ["cluster.worker_resources={CPU: 1}"])
+    with pytest.raises(ConfigError, match="rollout.replica_resources: rollout_node=0.0 must be > 0"):
+        load(CONFIGS / "tiny_cpu.yaml", ["rollout.replica_resources={rollout_node: 0}"])
