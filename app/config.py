@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from app.algo.sde import SDE_TYPES
 from app.algo.sde_window import PLACEMENTS
 from app.models.family import FAMILY_NAMES, all_engines, get_family
-from app.rewards.composite import REWARD_NAMES
+from app.rewards.composite import MODEL_REWARDS, REWARD_NAMES
 from app.rewards.ocr import DETECT_MIN_SIDE
 from app.types import CFG_RENORMS, GenerationRequest, RequestError
 
@@ -207,16 +207,38 @@ class RolloutConfig:
 
 
 @dataclass
+class ModelRewardConfig:
+    """A reward computed by a model from a local folder (app/rewards/clip.py): real weights, or a tiny random build
+    (`python -m jobs.make_tiny_models --preset tiny-clip`)."""
+
+    # a transformers CLIPModel folder: PickScore_v1 (pickscore), openai/clip-vit-large-patch14 (clipscore, aesthetic)
+    path: str | None = None
+    # the processor's folder when the weights ship without one (PickScore_v1: CLIP-ViT-H-14-laion2B-s32B-b79K's)
+    processor_path: str | None = None
+    # aesthetic only: the LAION MLP head's state dict (sac+logos+ava1-l14-linearMSE.pth)
+    head_path: str | None = None
+    # images per forward in the reward replica
+    batch_size: int = 16
+
+
+@dataclass
 class RewardConfig:
-    # reward name -> weight of the weighted sum ("ocr", "jpeg_compressibility"); a YAML file or a
-    # `reward.weights={...}` override replaces the whole mapping (exactly the rewards named are used)
+    # reward name -> weight of the weighted sum ("ocr", "jpeg_compressibility", "pickscore", "clipscore",
+    # "aesthetic"); a YAML file or a `reward.weights={...}` override replaces the whole mapping (exactly the rewards
+    # named are used)
     weights: dict[str, float] = field(default_factory=lambda: {"ocr": 1.0})
+    # the model-based terms' weights (read only when reward.weights names them)
+    pickscore: ModelRewardConfig = field(default_factory=ModelRewardConfig)
+    clipscore: ModelRewardConfig = field(default_factory=ModelRewardConfig)
+    aesthetic: ModelRewardConfig = field(default_factory=ModelRewardConfig)
     # the OCR detector enlarges images whose shorter side is below this (RapidOCR's default 736); small images
     # read the same text without it at a fraction of the cost
     ocr_detect_min_side: int = DETECT_MIN_SIDE
     num_replicas: int = 1
     # CPUs of each replica; the OCR reward reads that many images at once (one engine per CPU)
     replica_num_cpus: float = 1.0
+    # GPUs of each replica (a fraction shares one): the model-based terms run there in bf16, else on CPUs in fp32
+    replica_num_gpus: float = 0.0
     # concurrent groups one replica scores in one call (Serve's @serve.batch)
     max_batch_size: int = 8
 
@@ -416,7 +438,8 @@ class RunConfig:
             f"rollout ({ro.num_replicas} x rollout.replica_num_cpus/gpus/resources)":
                 {"CPU": ro.num_replicas * ro.replica_num_cpus, "GPU": ro.num_replicas * ro.replica_num_gpus,
                  **{k: ro.num_replicas * v for k, v in ro.replica_resources.items()}},
-            f"reward ({rw.num_replicas} x reward.replica_num_cpus)": {"CPU": rw.num_replicas * rw.replica_num_cpus},
+            f"reward ({rw.num_replicas} x reward.replica_num_cpus/gpus)":
+                {"CPU": rw.num_replicas * rw.replica_num_cpus, "GPU": rw.num_replicas * rw.replica_num_gpus},
             "HTTP ingress (serve.api_num_cpus)": {"CPU": self.serve.api_num_cpus},
             f"training ({cl.num_workers} x cluster.worker_num_cpus/gpus/resources)":
                 {"CPU": cl.num_workers * cl.worker_num_cpus,
@@ -470,6 +493,17 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     _require(bool(reward.weights), "reward.weights is empty: name at least one reward, e.g. {ocr: 1.0}")
     unknown = sorted(set(reward.weights) - set(REWARD_NAMES))
     _require(not unknown, f"reward.weights names unknown rewards {unknown}: known are {list(REWARD_NAMES)}")
+    for name in MODEL_REWARDS:
+        if name in reward.weights:
+            section = getattr(reward, name)
+            _require(section.path is not None,
+                     f"reward.weights names {name}: set reward.{name}.path to a local folder with its CLIPModel "
+                     f"({MODEL_REWARDS[name]})")
+            _require(name != "aesthetic" or section.head_path is not None,
+                     "reward.weights names aesthetic: set reward.aesthetic.head_path to the LAION head's state dict "
+                     "(sac+logos+ava1-l14-linearMSE.pth)")
+            _require(section.batch_size >= 1, f"reward.{name}.batch_size={section.batch_size} must be >= 1")
+    _require(reward.replica_num_gpus >= 0, f"reward.replica_num_gpus={reward.replica_num_gpus} must be >= 0")
     _require(reward.ocr_detect_min_side >= 32,
              f"reward.ocr_detect_min_side={reward.ocr_detect_min_side} must be >= 32 (the OCR detector's least)")
     _require(reward.num_replicas >= 1 and reward.max_batch_size >= 1 and reward.replica_num_cpus > 0,

@@ -102,7 +102,8 @@ def build_app(args: Mapping | AppConfig) -> Application:
     reward_app = serve.deployment(
         _ServedReward, name="Reward", num_replicas=reward.num_replicas,
         max_ongoing_requests=4 * reward.max_batch_size, logging_config=logging_config,
-        ray_actor_options={"num_cpus": reward.replica_num_cpus, "runtime_env": env},
+        ray_actor_options={"num_cpus": reward.replica_num_cpus, "num_gpus": reward.replica_num_gpus,
+                           "runtime_env": env},
     ).bind(reward, torch_threads=settings.replica_torch_threads, log_level=log_level)
     ingress = serve.deployment(serve.ingress(fastapi_app)(ApiIngress), name="Api", logging_config=logging_config,
                                ray_actor_options={"num_cpus": settings.api_num_cpus})

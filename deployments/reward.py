@@ -15,13 +15,28 @@ def ocr_options(reward: RewardConfig) -> dict:
     return {"detect_min_side": reward.ocr_detect_min_side, "threads": max(1, int(reward.replica_num_cpus))}
 
 
+def reward_options(reward: RewardConfig, *, ocr_threads: int | None = None) -> dict[str, dict]:
+    """Every term's constructor settings (`app.rewards.build_reward`): the OCR engines, and the model-based terms'
+    folders (each error names its key)."""
+    from app.rewards.composite import MODEL_REWARDS
+
+    options = {"ocr": ocr_options(reward)}
+    if ocr_threads is not None:
+        options["ocr"]["threads"] = ocr_threads
+    for name in MODEL_REWARDS:
+        section = getattr(reward, name)
+        options[name] = {"path": section.path, "processor_path": section.processor_path,
+                         "head_path": section.head_path, "batch_size": section.batch_size, "key": f"reward.{name}"}
+    return options
+
+
 class RewardScorer:
     def __init__(self, reward: RewardConfig, *, torch_threads: int | None = 1, log_level: str = "INFO"):
         if torch_threads:
             import torch
 
             torch.set_num_threads(torch_threads)
-        self.reward = build_reward(reward.weights, {"ocr": ocr_options(reward)})
+        self.reward = build_reward(reward.weights, reward_options(reward))
         logging.getLogger("RapidOCR").setLevel(log_level)  # its own handler, INFO by default
         self.scored = 0
 

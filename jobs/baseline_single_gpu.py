@@ -29,6 +29,7 @@ from app.rollout.diffusers_engine import DiffusersEngine
 from app.train.policy import Policy
 from app.train.prompts import group_request, load_prompts, step_prompts
 from app.train.update import make_optimizer, train_pass
+from deployments.reward import reward_options
 from jobs.report import emit_json_line
 
 
@@ -41,7 +42,7 @@ def run(config, steps: int) -> dict:
                               target_modules=model.lora_targets, seed=train.seed,
                               gradient_checkpointing=train.gradient_checkpointing)
     optimizer = make_optimizer(policy, train)
-    reward = build_reward(config.reward.weights, {"ocr": {"detect_min_side": config.reward.ocr_detect_min_side}})
+    reward = build_reward(config.reward.weights, reward_options(config.reward, ocr_threads=1))
     prompts = load_prompts(config.data.prompts)
     records = []
     for step in range(steps):

@@ -8,6 +8,7 @@ benchmarks, and real-size ones for GPU measurements. Each model family declares 
     python -m jobs.make_tiny_models --preset bagel-real-width --out /data/bagel-real-width [--layers 4]
     python -m jobs.make_tiny_models --preset tiny-sd3 --out .cache/tiny-sd3
     python -m jobs.make_tiny_models --preset sd35-medium --out /data/sd35m-random [--layers 24]
+    python -m jobs.make_tiny_models --preset tiny-clip --out .cache/tiny-clip   # the CLIP-type rewards' model
 
 An identical build already at --out is kept unless --overwrite is given.
 """
@@ -17,12 +18,19 @@ import sys
 import time
 from pathlib import Path
 
-from app.models.family import FAMILY_NAMES, get_family
+from app.models.family import FAMILY_NAMES, Preset, get_family
+
+# reward models (app/rewards/): built here as the families' checkpoints are
+REWARD_PRESETS = {"tiny-clip": Preset("app.rewards.tiny:build_tiny_clip",
+                                      "a tiny CLIPModel + processor and a LAION aesthetic head of the same layout, "
+                                      "for reward.pickscore/clipscore/aesthetic")}
 
 
 def presets() -> dict:
-    """preset name → (family name, Preset), over every registered family."""
-    return {name: (family, preset) for family in FAMILY_NAMES for name, preset in get_family(family).presets.items()}
+    """preset name → (family name, Preset), over every registered family, and the reward models ("reward")."""
+    families = {name: (family, preset) for family in FAMILY_NAMES
+                for name, preset in get_family(family).presets.items()}
+    return {**families, **{name: ("reward", preset) for name, preset in REWARD_PRESETS.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

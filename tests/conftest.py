@@ -67,6 +67,15 @@ def tiny_bagel_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_clip_dir() -> Path:
+    """The tiny CLIP reward model (PickScore's, CLIPScore's and the aesthetic score's architecture) and its aesthetic
+    head, built once into the cache folder."""
+    from app.rewards.tiny import build_tiny_clip
+
+    return build_tiny_clip(TINY_CACHE / "tiny-clip", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_sd3_dir() -> Path:
     """The tiny SD3 checkpoint, built once into the cache folder and reused across sessions."""
     from app.models.sd3.tiny import build_tiny_sd3

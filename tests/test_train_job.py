@@ -40,7 +40,7 @@ def test_a_run_larger_than_its_local_cluster_is_refused_naming_the_parts(tmp_pat
     done = run_job(f"logging.dir={tmp_path / 'run'}", "reward.replica_num_cpus=512", timeout=180)
     assert done.returncode == 2, done.stderr[-3000:]
     error = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert len(error) == 1 and "reward (2 x reward.replica_num_cpus) 1024" in error[0], done.stderr[-3000:]
+    assert len(error) == 1 and "reward (2 x reward.replica_num_cpus/gpus) 1024" in error[0], done.stderr[-3000:]
     assert "CPUs" in error[0] and "GPUs" not in error[0] and "deploying" not in done.stdout
 
 

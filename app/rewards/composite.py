@@ -8,13 +8,20 @@ from app.rewards.base import Reward, RewardScores, as_uint8_images
 
 
 def _registry() -> dict:
+    from functools import partial
+
+    from app.rewards.clip import ClipReward
     from app.rewards.jpeg import JpegCompressibilityReward
     from app.rewards.ocr import OcrReward
 
-    return {"ocr": OcrReward, "jpeg_compressibility": JpegCompressibilityReward}
+    return {"ocr": OcrReward, "jpeg_compressibility": JpegCompressibilityReward,
+            **{name: partial(ClipReward, name) for name in MODEL_REWARDS}}
 
 
-REWARD_NAMES = ("ocr", "jpeg_compressibility")
+# the model-based terms (app/rewards/clip.py) and the weights each reads from its folder
+MODEL_REWARDS = {"pickscore": "PickScore_v1", "clipscore": "openai/clip-vit-large-patch14",
+                 "aesthetic": "openai/clip-vit-large-patch14 and the LAION aesthetic head"}
+REWARD_NAMES = ("ocr", "jpeg_compressibility", *MODEL_REWARDS)
 
 
 class WeightedReward:

@@ -88,7 +88,7 @@ def test_composite_keeps_components_and_weights_them():
 
 def test_composite_rejects_bad_input():
     with pytest.raises(ValueError, match="unknown reward"):
-        build_reward({"aesthetic": 1.0})
+        build_reward({"hpsv2": 1.0})
     reward = build_reward({"jpeg_compressibility": 1.0})
     with pytest.raises(ValueError, match="one prompt per image"):
         reward.score(np.zeros((2, 8, 8, 3), dtype=np.uint8), ["a"])
