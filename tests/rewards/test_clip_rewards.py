@@ -90,3 +90,14 @@ def test_a_missing_folder_or_key_is_one_line_naming_it(tiny_clip_dir, tmp_path):
         build_reward(config.reward.weights, reward_options(config.reward))
     with pytest.raises(ValueError, match="reward.aesthetic.head_path=.*nope.pth: no aesthetic head there"):
         ClipReward("aesthetic", str(tiny_clip_dir), head_path=str(tmp_path / "nope.pth"))
+
+
+def test_the_sd35m_pickscore_recipe_is_flow_grpo_s():
+    required = ["model.path=/models/sd35m", "data.prompts=ocr_tiny", "eval.prompts=ocr_eval_tiny"]
+    with pytest.raises(ConfigError, match="reward.pickscore.path"):
+        load("configs/sd35m_pickscore.yaml", required)
+    config = load("configs/sd35m_pickscore.yaml", [*required, "reward.pickscore.path=/models/PickScore_v1"])
+    assert config.reward.weights == {"pickscore": 1.0} and config.train.kl_beta == 0.01
+    rollout = config.rollout
+    assert (rollout.group_size, rollout.num_inference_steps, rollout.guidance_scale) == (24, 10, 4.5)
+    assert (config.train.groups_per_step, config.train.clip_range, config.eval.num_inference_steps) == (24, 1e-4, 40)
