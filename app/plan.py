@@ -73,7 +73,7 @@ class Placement:
 
     def describe(self) -> str:
         if self.kind == "shared":
-            return f"shared: {self.replicas} GPUs, each 1 replica + 1 rank"
+            return f"shared: {self.replicas} GPU{'s' * (self.replicas > 1)}, each 1 replica + 1 rank"
         return f"split: {self.replicas} replica{'s' * (self.replicas > 1)} + {self.ranks} rank{'s' * (self.ranks > 1)}"
 
 

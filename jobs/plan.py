@@ -144,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no placement of {args.gpus} GPU(s) can run this recipe: {best.why_not}")
         return 1
     print(f"choose {best.placement.describe()}: predicted {best.images_per_s_per_gpu:.3f} img/s/GPU")
-    print(f"  python -m jobs.train --config {args.config} {' '.join(args.overrides + best.placement.overrides())}")
+    chosen = best.placement.overrides()
+    keys = {o.split("=", 1)[0] for o in chosen}
+    kept = [o for o in args.overrides if o.split("=", 1)[0] not in keys]  # the placement's keys replace CONFIG's
+    print(f"  python -m jobs.train --config {args.config} {' '.join(kept + chosen)}")
     return 0
 
 
