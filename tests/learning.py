@@ -1,6 +1,6 @@
 """FlowGRPO in one process, without Ray, from the project's parts (an in-process engine, the policy, the update
-pass, the JPEG-compressibility reward): the learning checks' loop. Each step samples `groups` prompt groups, scores
-them, takes one update, and hands the new adapter to the engine. The loop around the same parts with Ray is the job
+pass, a reward: JPEG compressibility unless told): the learning checks' loop. Each step samples `groups` prompt
+groups, scores them, takes one update, and hands the new adapter to the engine. The loop around the same parts with Ray is the job
 (tests/test_train_job*.py).
 
 `staleness=k` samples step s with the adapter of step s − k (the base model for the first k steps), as the pipelined
@@ -23,17 +23,19 @@ from app.train.update import train_pass
 
 
 def reward_curve(engine, model_dir, config: RunConfig, *, seed: int, lr: float, steps: int,
-                 staleness: int = 0, stats: Stats | None = None) -> list[float]:
-    """Mean JPEG-compressibility reward of each step's images, training as `config` says (its model, rollout, train
-    and data sections, the SDE window included; lr and steps as given; prompts in order). `stats` collects the
-    update's metrics (e.g. `actor/ratio_dev_stale_max`)."""
+                 staleness: int = 0, stats: Stats | None = None, reward=None) -> list[float]:
+    """Mean reward of each step's images (`reward`: anything with `score(images, prompts)`; default JPEG
+    compressibility), training as `config` says (its model, rollout, train and data sections, the SDE window
+    included; lr and steps as given; prompts in order). `stats` collects the update's metrics (e.g.
+    `actor/ratio_dev_stale_max`)."""
     model, rollout = config.model, config.rollout
     train = dataclasses.replace(config.train, learning_rate=lr, seed=seed)
     policy = Policy.from_pretrained(model_dir, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
                                     target_modules=model.lora_targets, family=str(model.family), shard=False,
                                     seed=seed)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=train.weight_decay)
-    pool, reward, curve = load_prompts(config.data.prompts), JpegCompressibilityReward(), []
+    pool, curve = load_prompts(config.data.prompts), []
+    reward = reward if reward is not None else JpegCompressibilityReward()
     adapters = {0: None}  # version -> the adapter exported after that many updates
     stats = stats if stats is not None else Stats()
     try:
