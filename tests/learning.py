@@ -1,7 +1,7 @@
 """FlowGRPO in one process, without Ray, from the project's parts (an in-process engine, the policy, the update
 pass, a reward: JPEG compressibility unless told): the learning checks' loop. Each step samples `groups` prompt
-groups, scores them, takes one update, and hands the new adapter to the engine. The loop around the same parts with Ray is the job
-(tests/test_train_job*.py).
+groups, scores them, takes one update, and hands the new adapter to the engine. The loop around the same parts with
+Ray is the job (tests/test_train_job*.py).
 
 `staleness=k` samples step s with the adapter of step s − k (the base model for the first k steps), as the pipelined
 job does with `train.max_staleness: k` (the next k steps' groups generate while one trains): the update then takes
