@@ -28,7 +28,7 @@ def pipe(tiny_sd3_dir):
     return p
 
 
-def test_the_tiny_checkpoint_has_sd35_s_layout_and_features(tiny_sd3_dir, pipe):
+def test_the_tiny_checkpoint_has_sd35_s_layout_and_features(tiny_sd3_dir, tiny_model_dir, pipe):
     index = json.loads((tiny_sd3_dir / "model_index.json").read_text())
     assert index["_class_name"] == "StableDiffusion3Pipeline"
     assert {"text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer_3", "vae"} <= set(index)
@@ -42,7 +42,7 @@ def test_the_tiny_checkpoint_has_sd35_s_layout_and_features(tiny_sd3_dir, pipe):
     assert (pipe.text_encoder.config.projection_dim + pipe.text_encoder_2.config.projection_dim
             == config.pooled_projection_dim)
     assert FAMILY.checkpoint_problem(tiny_sd3_dir) is None
-    assert "missing text_encoder_3/config.json" in FAMILY.checkpoint_problem(tiny_sd3_dir.parent / "tiny-qwen-image")
+    assert "missing text_encoder_3/config.json" in FAMILY.checkpoint_problem(tiny_model_dir)  # a Qwen-Image folder
 
 
 def test_generates_with_cfg_and_encodes_prompts_apart(pipe):
