@@ -42,6 +42,7 @@ class Rates:
     overhead_s: float = 0.0  # per step: publish, the wait for the last publication, bookkeeping
     reward_tail_s: float = 0.0  # per on-policy step: the reward after the last group was generated
     useful_tflop: float = 0.0  # per image (app/flops.py), for the MFU column; 0: unknown
+    reward_s: float = 0.0  # a reward replica's seconds per image (its own scoring time); 0: unknown
     rollout_gib: float | None = None  # peak GPU memory of a replica
     trainer_gib: float | None = None  # peak GPU memory of a rank, at `ranks` ranks
     ranks: int = 1  # FSDP2 ranks of the measurement (the trainer's memory shrinks with more)
@@ -128,6 +129,16 @@ def predict(rates: Rates, placement: Placement, *, groups: int, group_size: int,
     return Prediction(placement, step, per_gpu, mfu, min(1.0, rollout / step), min(1.0, train / step), fits, why)
 
 
+def reward_replicas(rates: Rates, prediction: Prediction, *, groups: int, group_size: int,
+                    headroom: float = 1.25) -> int | None:
+    """Reward replicas that score a step's images within the predicted step with `headroom` to spare (a group is
+    scored as it arrives, so a reward that keeps up adds only the last group's scoring to a step); None when the
+    rates carry no reward seconds."""
+    if rates.reward_s <= 0:
+        return None
+    return max(1, math.ceil(groups * group_size * rates.reward_s * headroom / prediction.step_s))
+
+
 def placements(gpus: int, staleness: int) -> list[Placement]:
     """Every split of `gpus` into replicas and ranks, and the shared placement."""
     if gpus < 1:
@@ -183,6 +194,7 @@ def rates_from_metrics(rows: list[dict], *, replicas: int, ranks: int, shared: b
                        + r.get("timing/other_s", 0.0)),
         reward_tail_s=med(lambda r: r.get("timing/reward_wait_s_max", 0.0)),
         useful_tflop=med(lambda r: r.get("perf/useful_tflop", 0.0) / images(r)),
+        reward_s=med(lambda r: r.get("perf/reward_busy_s", 0.0) / images(r)),
         rollout_gib=peaks["memory/rollout_peak_gib_max"] or None,
         trainer_gib=peaks["memory/trainer_peak_gib_max"] or None,
         ranks=ranks, shared=shared, source=source or f"{len(steady)} steps of a run")

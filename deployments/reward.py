@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from app.config import RewardConfig
 from app.rewards import RewardScores, build_reward
@@ -43,10 +44,14 @@ class RewardScorer:
     def _score_many(self, batches: list[tuple]) -> list[RewardScores]:
         out = []
         for images, prompts in batches:
+            started = time.perf_counter()
             try:
-                out.append(self.reward.score(images, prompts))
+                scores = self.reward.score(images, prompts)
             except ValueError as err:  # one bad group must not fail the others batched with it
                 out.append(err)
+                continue
+            scores.seconds = time.perf_counter() - started
+            out.append(scores)
         self.scored += len(batches)
         return out
 

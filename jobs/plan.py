@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from app.config import ConfigError, load
-from app.plan import Prediction, Rates, plan, rates_from_benches, rates_from_metrics
+from app.plan import Prediction, Rates, plan, rates_from_benches, rates_from_metrics, reward_replicas
 
 
 class PlanError(ValueError):
@@ -144,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no placement of {args.gpus} GPU(s) can run this recipe: {best.why_not}")
         return 1
     print(f"choose {best.placement.describe()}: predicted {best.images_per_s_per_gpu:.3f} img/s/GPU")
+    needed = reward_replicas(rates, best, groups=groups, group_size=n)
+    if needed is not None:
+        print(f"reward: {rates.reward_s:.3f} s/image per replica; {needed} replica(s) keep up with that step "
+              f"(reward.num_replicas={config.reward.num_replicas})")
     chosen = best.placement.overrides()
     keys = {o.split("=", 1)[0] for o in chosen}
     kept = [o for o in args.overrides if o.split("=", 1)[0] not in keys]  # the placement's keys replace CONFIG's

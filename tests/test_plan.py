@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.plan import Placement, Rates, plan, predict, rates_from_metrics
+from app.plan import Placement, Rates, plan, predict, rates_from_metrics, reward_replicas
 
 REPO = Path(__file__).resolve().parents[1]
 SCALE = REPO / "docs" / "perf" / "scale"
@@ -32,6 +32,15 @@ def test_a_step_by_hand_pipelined_and_on_policy():
     # 3 groups over 2 replicas: one replica generates two of them
     uneven = predict(RATES, Placement("split", 2, 1, staleness=0), groups=3, group_size=8)
     assert uneven.step_s == 2 * 8 * 0.5 + 0.5 + 3 * 8 * 1.0 + 1
+
+
+def test_reward_replicas_to_keep_up_with_the_step():
+    """32 images at 0.5 s each is 16 s of scoring: within a 33 s step one replica does it, with 25 % to spare."""
+    split = predict(RATES, Placement("split", 1, 1, staleness=1), groups=4, group_size=8)
+    assert reward_replicas(RATES, split, groups=4, group_size=8) is None  # no reward seconds measured
+    slow = Rates(rollout_s=0.5, train_s=1.0, overhead_s=1.0, reward_s=0.5)
+    assert reward_replicas(slow, split, groups=4, group_size=8) == 1
+    assert reward_replicas(slow, split, groups=4, group_size=8, headroom=2.5) == 2  # ceil(16 s x 2.5 / 33 s)
 
 
 def test_the_slower_side_gets_more_gpus():
@@ -59,7 +68,8 @@ def test_what_cannot_run_is_said_and_ranked_last():
 
 def _row(step, images=16, step_s=12.0, train_s=10.0, rollout_busy_s=11.2, **extra):
     return {"step": step, "rollout/images": images, "timing/step_s": step_s, "timing/train_s": train_s,
-            "perf/rollout_busy_s": rollout_busy_s, "timing/publish_s": 0.5, "timing/other_s": 0.1,
+            "perf/rollout_busy_s": rollout_busy_s, "perf/reward_busy_s": 8.0, "timing/publish_s": 0.5,
+            "timing/other_s": 0.1,
             "perf/useful_tflop": 16 * 30.0, "memory/rollout_peak_gib_max": 48.0,
             "memory/trainer_peak_gib_max": 53.0, **extra}
 
@@ -71,6 +81,7 @@ def test_rates_from_a_runs_metrics_skip_the_first_step():
     assert rates.train_s == pytest.approx(10.0 * 2 / 16)  # the median step; rank-seconds per image
     assert rates.overhead_s == pytest.approx(0.6) and rates.useful_tflop == pytest.approx(30.0)
     assert (rates.rollout_gib, rates.trainer_gib, rates.ranks) == (48.0, 53.0, 2)
+    assert rates.reward_s == pytest.approx(0.5)  # 8 s of scoring for 16 images
     # a run from before `perf/rollout_busy_s` was logged: the busy share times the replicas and the step
     old = [{k: v for k, v in _row(s).items() if k != "perf/rollout_busy_s"} | {"perf/rollout_busy_share": 0.5}
            for s in (2, 3)]
@@ -135,5 +146,6 @@ open({str(run / "config.yaml")!r}, "w").write(to_yaml(config))
     assert "(1 replica(s) + 2 rank(s))" in out.stdout  # train_s = 10 s x 2 ranks / 16 images = 1.25 s/image
     assert "train 1.250 s/image per rank" in out.stdout
     assert "choose split: 1 replica + 2 ranks" in out.stdout
+    assert "reward: 0.500 s/image per replica; 1 replica(s) keep up with that step" in out.stdout
     assert "rollout.num_replicas=1 rollout.replica_num_gpus=1 cluster.num_workers=2 cluster.worker_num_gpus=1" in \
         out.stdout

@@ -24,6 +24,8 @@ class RewardScores:
     components: dict[str, list[float]] = field(default_factory=dict)
     # what a reward read from each image, where it reads something (the OCR reward: the recognised text)
     details: dict[str, list[str]] = field(default_factory=dict)
+    # how long the reward replica took to score the batch (0: not measured), for sizing the reward replicas
+    seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return {"total": self.total, "components": self.components, **({"details": self.details} if self.details

@@ -154,6 +154,7 @@ def _worker_metrics(worker: Worker, step: int, groups: list[ScoredGroup], stats:
            "rollout/publish_lost_replicas_max": float(lost_replicas),
            "perf/useful_tflop_sum": tflop,
            "perf/rollout_busy_s_sum": sum(s.trajectory.producer.get("seconds", 0.0) for s in groups),
+           "perf/reward_busy_s_sum": sum(s.rewards.seconds for s in groups),  # the reward replicas' own seconds
            "rollout/adapter_swap_s_max": max(s.trajectory.producer.get("adapter_swap_s", 0.0) for s in groups),
            "timing/reward_wait_s_max": max(0.0, max(s.scored_at for s in groups) - max(s.generated_at for s in groups)),
            "memory/rollout_peak_gib_max": max(s.trajectory.producer.get("gpu_peak_gib", 0.0) for s in groups)}

@@ -94,3 +94,18 @@ def test_composite_rejects_bad_input():
         reward.score(np.zeros((2, 8, 8, 3), dtype=np.uint8), ["a"])
     with pytest.raises(ValueError, match="uint8"):
         reward.score(np.zeros((2, 8, 8), dtype=np.float32), ["a", "b"])
+
+
+def test_a_reward_replica_says_how_long_it_scored():
+    """The replica's own scoring seconds travel with the scores (`perf/reward_busy_s`, `jobs.plan`'s reward replica
+    count); a bad group among good ones still fails alone."""
+    import asyncio
+
+    from app.config import RewardConfig
+    from deployments.reward import RewardScorer
+
+    scorer = RewardScorer(RewardConfig(weights={"jpeg_compressibility": 1.0}))
+    good = (np.zeros((2, 64, 64, 3), dtype=np.uint8), ["a", "b"])
+    scored, failed = asyncio.run(scorer.score_batch([good, (good[0], ["a"])]))
+    assert scored.seconds > 0 and len(scored.total) == 2
+    assert isinstance(failed, ValueError) and "one prompt per image" in str(failed)
