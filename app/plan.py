@@ -209,5 +209,5 @@ def rates_from_benches(rollout: dict, train: dict, *, trained_steps: int, source
                          "line (ms_per_image_step)")
     img_s, train_s = rollout["batched_images_per_s"], train["ms_per_image_step"] / 1000 * trained_steps
     tflop = rollout.get("batched_tflops", 0.0) / img_s + train.get("useful_tflops", 0.0) * train_s
-    return Rates(rollout_s=1.0 / img_s, train_s=train_s, useful_tflop=tflop, rollout_gib=None,
-                 trainer_gib=train.get("gpu_peak_gib"), source=source or "the benches")
+    return Rates(rollout_s=1.0 / img_s, train_s=train_s, useful_tflop=tflop, trainer_gib=train.get("gpu_peak_gib"),
+                 source=source or "the benches")

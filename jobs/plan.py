@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from app.algo.sde_window import stochastic_steps
+from app.algo.timesteps import trained_steps
 from app.config import ConfigError, load
 from app.plan import Prediction, Rates, plan, rates_from_benches, rates_from_metrics, reward_replicas
 
@@ -58,15 +60,17 @@ def measured_rates(args, config) -> Rates:
         raise PlanError("give the measured rates: --metrics RUN/metrics.jsonl, or --bench-rollout and --bench-train")
     rollout = read_jsonl(args.bench_rollout, "--bench-rollout")[-1]
     train = read_jsonl(args.bench_train, "--bench-train")[-1]
-    return rates_from_benches(rollout, train, trained_steps=trained_steps(config),
+    return rates_from_benches(rollout, train, trained_steps=trained_steps_per_image(config),
                               source=f"{args.bench_rollout} and {args.bench_train}")
 
 
-def trained_steps(config) -> int:
-    """Denoising steps trained per image by the recipe: its SDE window's, or a fraction of all."""
+def trained_steps_per_image(config) -> int:
+    """Denoising steps the recipe trains per image: `train.timestep_fraction` of its SDE window's steps, counted by
+    the rule the trainer draws them with."""
     rollout = config.rollout
-    stochastic = rollout.sde_window.size or rollout.num_inference_steps
-    return max(1, round(stochastic * config.train.timestep_fraction))
+    window = rollout.sde_window.window(rollout.num_inference_steps, seed=0, group=0, step=0)
+    return len(trained_steps(stochastic_steps(rollout.num_inference_steps, window), config.train.timestep_fraction,
+                             seed=0, step=0, group=0, epoch=0))
 
 
 def gpu_memory_gib(given: float | None) -> float | None:

@@ -46,14 +46,14 @@ def transformer_key(key: str) -> str:
 
 def attach_lora(transformer, adapter: LoraAdapter, adapter_name: str = ADAPTER_NAME, *, create: bool = True) -> None:
     """Load `adapter` into the transformer's peft adapter `adapter_name` (created when missing and `create`)."""
-    from peft import LoraConfig, set_peft_model_state_dict
+    from peft import set_peft_model_state_dict
 
     existing = getattr(transformer, "peft_config", {}) or {}
     if adapter_name not in existing:
         if not create:
             raise ValueError(f"the transformer has no adapter named {adapter_name!r}")
-        transformer.add_adapter(LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha,
-                                           target_modules=list(adapter.target_modules)), adapter_name)
+        add_zero_lora(transformer, LoraShape(adapter.rank, adapter.alpha, tuple(adapter.target_modules)),
+                      adapter_name)
     tensors = {transformer_key(k): v for k, v in adapter.tensors.items()}
     result = set_peft_model_state_dict(transformer, tensors, adapter_name=adapter_name)
     if result.unexpected_keys:
