@@ -67,9 +67,11 @@ class Placement:
 
     def overrides(self) -> list[str]:
         """The run config's keys for this placement."""
-        share = 0.5 if self.kind == "shared" else 1
-        return [f"rollout.num_replicas={self.replicas}", f"rollout.replica_num_gpus={share}",
-                f"cluster.num_workers={self.ranks}", f"cluster.worker_num_gpus={share}",
+        # shared: a replica takes more than half a GPU, so that Ray (best fit) puts one on each GPU, and a rank the
+        # rest (jobs.train places the replicas first); Ray's fractions reserve nothing of the memory itself
+        replica, rank = (0.6, 0.4) if self.kind == "shared" else (1, 1)
+        return [f"rollout.num_replicas={self.replicas}", f"rollout.replica_num_gpus={replica}",
+                f"cluster.num_workers={self.ranks}", f"cluster.worker_num_gpus={rank}",
                 f"train.max_staleness={self.staleness}"]
 
     def describe(self) -> str:

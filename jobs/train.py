@@ -17,6 +17,7 @@ import dataclasses
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from app.config import ConfigError, RunConfig, load, to_yaml
@@ -127,6 +128,43 @@ def resource_shortfall(config: RunConfig, available: dict[str, float]) -> str | 
     if not short:
         return None
     return "the run reserves " + "; and ".join(short) + ": lower those settings or use a larger cluster"
+
+
+def shares_gpus(config: RunConfig) -> bool:
+    """Replicas and ranks both on fractions of GPUs: the shared placement (a replica and a rank on each GPU)."""
+    cl, ro = config.cluster, config.rollout
+    return cl.use_gpu and 0 < ro.replica_num_gpus < 1 and 0 < cl.worker_num_gpus < 1
+
+
+def packing_warning(config: RunConfig) -> str | None:
+    """Ray hands out a fraction of a GPU from the fullest GPU it still fits (best fit), so replicas of half a GPU
+    or less pack two to a GPU, and the ranks take the GPUs left: not a replica and a rank on each GPU."""
+    ro, cl = config.rollout, config.cluster
+    if not (shares_gpus(config) and ro.num_replicas > 1 and ro.replica_num_gpus <= 0.5):
+        return None
+    return (f"rollout.num_replicas={ro.num_replicas} at rollout.replica_num_gpus={ro.replica_num_gpus:g}: Ray packs "
+            f"fractions of a GPU best-fit, so {int(1 // ro.replica_num_gpus)} replicas share a GPU and the ranks "
+            "another; for a replica and a rank on each GPU give the replica more than half "
+            "(rollout.replica_num_gpus=0.6 cluster.worker_num_gpus=0.4)")
+
+
+def wait_for_replica_gpus(config: RunConfig, timeout_s: float = 120.0) -> None:
+    """In the shared placement the replicas must hold their GPUs before the ranks ask for theirs: a rank placed
+    first takes a fraction of GPU 0, and best fit then puts the next rank there too. The replicas' actors reserve
+    their GPUs within a second or two of the deployment (long before their models load); wait for that."""
+    import ray
+
+    if not shares_gpus(config):
+        return
+    need = config.rollout.num_replicas * config.rollout.replica_num_gpus
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = ray.cluster_resources().get("GPU", 0.0) - ray.available_resources().get("GPU", 0.0)
+        if held >= need - 1e-6:
+            return
+        time.sleep(0.2)
+    print(f"warning: the rollout replicas hold no GPUs after {timeout_s:.0f} s; the training ranks may pack onto "
+          "the same GPUs", file=sys.stderr, flush=True)
 
 
 def deploy_serve_app(config: RunConfig, app_name: str | None = None, *, wait: bool = True):
@@ -280,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if shortfall:  # an existing cluster may add nodes (an autoscaler): say so and go on
         print(f"warning: {shortfall} now; the run waits until it has them", file=sys.stderr, flush=True)
+    if (packing := packing_warning(config)) is not None:
+        print(f"warning: {packing}", file=sys.stderr, flush=True)
     nodes = sum(1 for node in ray.nodes() if node["Alive"])
     print(startup_summary(config, run_dir, getattr(context, "dashboard_url", None), resume=args.resume, nodes=nodes),
           flush=True)
@@ -294,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         # the replicas and the training workers load at the same time; the first rollout request waits for both
         handles = deploy_serve_app(config, wait=False)
         watch.start()
+        wait_for_replica_gpus(config)
         result = fit(config, run_dir, *handles)
     except BaseException:  # Ray Train's abort, or the KeyboardInterrupt before `fit` listened for SIGINT
         if watch.failure is None:

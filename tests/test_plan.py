@@ -4,6 +4,7 @@ docs/perf/scale/ (within 15 %)."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,48 @@ open({str(run / "config.yaml")!r}, "w").write(to_yaml(config))
     assert "reward: 0.500 s/image per replica; 1 replica(s) keep up with that step" in out.stdout
     assert "rollout.num_replicas=1 rollout.replica_num_gpus=1 cluster.num_workers=2 cluster.worker_num_gpus=1" in \
         out.stdout
+
+
+def test_the_shared_overrides_put_a_replica_and_a_rank_on_each_gpu():
+    """Ray hands out fractions of a GPU best-fit: replicas at half a GPU pack two to a GPU (the warning says so),
+    while the planner's shared shares (a replica more than half, placed first as jobs.train does, then the ranks
+    in a placement group as Ray Train makes it) give each of 3 GPUs one replica and one rank. Ray's own cluster,
+    with logical GPUs: the assignment is Ray's bookkeeping, no device needed."""
+    from app.config import load
+    from jobs.train import packing_warning
+
+    shares = dict(o.split("=") for o in Placement("shared", 3, 3, staleness=1).overrides())
+    placed = subprocess.run([sys.executable, "-c", f"""
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+ray.init(num_cpus=8, num_gpus=3, include_dashboard=False, log_to_driver=False)
+@ray.remote(num_cpus=0)
+class Part:
+    def gpu(self):
+        return ray.get_gpu_ids()
+def placed(replica_gpus, rank_gpus):
+    replicas = [Part.options(num_gpus=replica_gpus).remote() for _ in range(3)]
+    ids = ray.get([r.gpu.remote() for r in replicas])
+    group = placement_group([{{"CPU": 1, "GPU": rank_gpus}}] * 3, strategy="PACK")
+    ray.get(group.ready())
+    ranks = [Part.options(num_gpus=rank_gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote()
+             for i in range(3)]
+    out = (ids, ray.get([r.gpu.remote() for r in ranks]))
+    for actor in replicas + ranks:
+        ray.kill(actor)
+    ray.util.remove_placement_group(group)
+    return out
+print(placed({float(shares['rollout.replica_num_gpus'])}, {float(shares['cluster.worker_num_gpus'])}))
+print(placed(0.5, 0.5))
+"""], cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert placed.returncode == 0, placed.stderr[-3000:]
+    shared, halves = [eval(line) for line in placed.stdout.strip().splitlines()[-2:]]
+    assert sorted(g for (g,) in shared[0]) == [0, 1, 2] and sorted(g for (g,) in shared[1]) == [0, 1, 2]
+    assert len({g for (g,) in halves[0]}) < 3  # half-GPU replicas share a GPU: the layout the warning names
+    config = load("configs/qwen_image_ocr_2gpu.yaml", ["model.path=/nonexistent", "rollout.num_replicas=2",
+                                                        "rollout.replica_num_gpus=0.5", "cluster.num_workers=2",
+                                                        "cluster.worker_num_gpus=0.5"])
+    assert "rollout.replica_num_gpus=0.6 cluster.worker_num_gpus=0.4" in packing_warning(config)
+    config.rollout.replica_num_gpus, config.cluster.worker_num_gpus = 0.6, 0.4
+    assert packing_warning(config) is None

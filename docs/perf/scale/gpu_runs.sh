@@ -24,7 +24,10 @@ case "$1" in
     mode=$1; name=$2; steps=$3; shift 3
     if [ $mode = kill ]; then
       ( until grep -q "\[flowgrpo\] step ${KILL_AT:-5}/" "$OUT/$name.log" 2>/dev/null; do sleep 0.5; done
-        pkill -9 -f "ray::RayTrainWorker" && echo "killed the trainer's worker at $(date +%s.%N)" >> "$OUT/$name.kill" ) &
+        for pid in $(pgrep -f "ray::RayTrainWorker"); do  # this run's worker: its cluster's RAY_TMPDIR (gpu_lanes.sh)
+          tr '\0' '\n' < /proc/$pid/environ | grep -qx "RAY_TMPDIR=${RAY_TMPDIR:-}" || [ -z "${RAY_TMPDIR:-}" ] || continue
+          kill -9 $pid && echo "killed the trainer's worker $pid at $(date +%s.%N)" >> "$OUT/$name.kill"; break
+        done ) &
     fi
     timeout ${JOB_TIMEOUT:-560} python -m jobs.train --config $CFG model.path=$MODEL model.compile.cache_dir=$CACHE \
       "${FAST[@]}" "${JPEG[@]}" train.num_steps=$steps logging.dir=/tmp/runs/$name "$@" > "$OUT/$name.log" 2>&1

@@ -1,0 +1,45 @@
+#!/bin/bash
+# Two runs at a time on one lent 4-GPU machine: two "lanes" of 2 GPUs, each its own local Ray cluster
+# (CUDA_VISIBLE_DEVICES, RAY_TMPDIR, the Serve port), each running gpu_runs.sh stages one after another. The lanes
+# outlive the device tool's call (setsid): `start` returns at once, `wait S` sleeps up to S seconds and packs what
+# is done into $OUT/lanes.tgz, `collect` packs only. GPU figures: the diffusers engine.
+#   bash docs/perf/scale/gpu_lanes.sh start | wait 540 | collect
+set -uo pipefail
+RES=/tmp/lanes; RUNS=docs/perf/scale/gpu_runs.sh
+# the learning check (issue 34 point 4): 40 steps, the eval set's JPEG reward every 10 (16 held-out prompts,
+# deterministic), before the first step too
+LEARN=(train.max_staleness=1 eval.every=10 eval.before_train=true eval.prompts=ocr_eval eval.max_prompts=16)
+SHARED=(rollout.num_replicas=2 rollout.replica_num_gpus=0.6 cluster.num_workers=2 cluster.worker_num_gpus=0.4)
+
+lane() {  # lane GPUS NAME PORT: the environment of one lane
+  export CUDA_VISIBLE_DEVICES=$1 RAY_TMPDIR=/tmp/ray_$2 OUT=$RES/$2 PORT=$3
+  mkdir -p $RAY_TMPDIR $OUT
+}
+lane_a() {
+  lane 0,1 a 8001
+  JOB_TIMEOUT=600 bash $RUNS job shared_k1 10 train.max_staleness=1 "${SHARED[@]}" cluster.serve_port=$PORT
+  JOB_TIMEOUT=1100 bash $RUNS job learn_lr0 40 "${LEARN[@]}" train.learning_rate=0 cluster.serve_port=$PORT
+}
+lane_b() {
+  lane 2,3 b 8002
+  JOB_TIMEOUT=1100 bash $RUNS job learn_lr3e-4 40 "${LEARN[@]}" train.learning_rate=3e-4 cluster.serve_port=$PORT
+  KILL_AT=3 JOB_TIMEOUT=700 bash $RUNS kill kill_k1 6 train.max_staleness=1 train.checkpoint_every=2 \
+    cluster.serve_port=$PORT
+}
+pack() {  # logs, metrics, eval results and curves; no checkpoints, images or tensorboard
+  (cd /tmp && tar czf $OUT/lanes.tgz --exclude=checkpoints --exclude=images --exclude=tensorboard \
+    --exclude='*.npz' --exclude=compile_cache lanes runs 2>/dev/null)
+  for f in $RES/*/*.log; do echo "== $f"; grep "\[flowgrpo\] step\|exit\|rror" $f | tail -n 3; done
+  nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
+}
+case "$1" in
+  start) mkdir -p $RES; bash $RUNS build
+         setsid bash $0 lane_a > $RES/lane_a.out 2>&1 < /dev/null &
+         setsid bash $0 lane_b > $RES/lane_b.out 2>&1 < /dev/null &
+         sleep 2; echo started ;;
+  lane_a) lane_a; touch $RES/a.done ;;
+  lane_b) lane_b; touch $RES/b.done ;;
+  wait) end=$((SECONDS + $2)); until [ -f $RES/a.done -a -f $RES/b.done ] || [ $SECONDS -ge $end ]; do sleep 5; done
+        pack ;;
+  collect) pack ;;
+esac
