@@ -83,6 +83,7 @@ def test_tiny_run_is_on_policy_every_step(tiny_run):
         assert r["actor/ratio_dev_first_pass_max"] <= 1e-5  # ratio = 1 at the first inner step
         assert r["rollout/logprob_mismatch_max"] <= 1e-5  # the trainer scores what the rollout sampled
         assert r["rollout/images"] == 16 and math.isfinite(r["actor/loss"])
+        assert r["timing/publication_s_max"] > 0  # the step's own adapter, on every replica before the next step
     assert any(r["actor/grad_norm"] > 0 for r in records)
 
 

@@ -46,6 +46,8 @@ def test_tiny_sd3_pipelined_run_trains_on_groups_at_most_one_version_old(sd3_run
     assert [r["rollout/staleness_max"] for r in records] == [0] + [1] * (STEPS - 1)
     assert [r["rollout/staleness_mean"] for r in records] == [0] + [1] * (STEPS - 1)
     assert all(r["rollout/regenerated_groups"] == 0 and r["rollout/images"] == 16 for r in records)
+    # the last step's adapter reached the replicas behind this step's generation (none before the first step)
+    assert [r["timing/publication_s_max"] > 0 for r in records] == [False] + [True] * (STEPS - 1)
     first = records[0]  # the base model's groups: the trainer scores exactly what was sampled
     assert first["rollout/logprob_mismatch_max"] <= 1e-5 and first["actor/ratio_dev_first_pass_max"] <= 1e-5
     assert all(r["actor/ratio_dev_stale_max"] > 1e-6 for r in records[1:])  # scored by a policy one update on

@@ -49,6 +49,7 @@ class Publication:
     version: int
     acknowledged: int  # live replicas that now serve it
     lost: int  # replicas that died before answering (Serve replaces them; they load it from the store)
+    seconds: float = 0.0  # from packing the adapter until every live replica answered that it serves it
 
 
 def checked_scores(scores, n: int) -> RewardScores:
@@ -245,6 +246,7 @@ async def publish_lora(rollout, adapters, adapter: LoraAdapter | None, *,
     that starts later finds it; then every live replica loads it. A replica that dies before answering is
     counted, not fatal: Serve replaces it and the replacement loads the stored adapter before serving. Any
     other failure (a replica that answered with an error or another version) raises."""
+    start = time.perf_counter()
     version, refs = await adapters.publish.remote(adapter.packed(dtype) if adapter is not None else None)
     try:
         answers = await rollout.broadcast("load_lora", refs or None).results_async(return_exceptions=True)
@@ -261,4 +263,4 @@ async def publish_lora(rollout, adapters, adapter: LoraAdapter | None, *,
         logger.warning("adapter version %d: %d rollout replica(s) died before loading it (%s); Serve replaces "
                        "them and the replacements load it from the adapter store", version, len(lost),
                        type(lost[0]).__name__)
-    return Publication(version, len(acknowledged), len(lost))
+    return Publication(version, len(acknowledged), len(lost), seconds=time.perf_counter() - start)

@@ -152,6 +152,8 @@ def _worker_metrics(worker: Worker, step: int, groups: list[ScoredGroup], stats:
            "rollout/regenerated_groups": float(regenerated),
            "rollout/retries_max": float(sum(s.retries for s in groups)),  # failed attempts seen by one worker
            "rollout/publish_lost_replicas_max": float(lost_replicas),
+           # the adapter's way to the replicas (pipelined: the last step's, behind this step's generation)
+           "timing/publication_s_max": worker.schedule.publication_s,
            "perf/useful_tflop_sum": tflop,
            "perf/rollout_busy_s_sum": sum(s.trajectory.producer.get("seconds", 0.0) for s in groups),
            "perf/reward_busy_s_sum": sum(s.rewards.seconds for s in groups),  # the reward replicas' own seconds

@@ -137,8 +137,11 @@ class Policy:
         the adapter parameters; under FSDP2 every rank must call it."""
         from peft import get_peft_model_state_dict
 
-        lora = {name: _full(p.detach()).to("cpu", copy=True)
-                for name, p in self.transformer.named_parameters() if f".{ADAPTER_NAME}." in name}
+        params = [(name, p) for name, p in self.transformer.named_parameters() if f".{ADAPTER_NAME}." in name]
+        # every gather is queued before the first copy to the host: a copy waits for what precedes it, so copying
+        # each tensor as it was gathered made one round trip per tensor (1,440 at 20B: 3 s with 2 ranks)
+        full = [_full(p.detach()) for _, p in params]
+        lora = {name: tensor.to("cpu", copy=True) for (name, _), tensor in zip(params, full)}
         return get_peft_model_state_dict(self.transformer, state_dict=lora, adapter_name=ADAPTER_NAME)
 
     def export_adapter(self, version: int) -> LoraAdapter:

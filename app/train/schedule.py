@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from app.config import RunConfig
 from app.metrics import PhaseTimer
-from app.rollout.client import BlockingRolloutClient, ScoredGroup
+from app.rollout.client import BlockingRolloutClient, Publication, ScoredGroup
 from app.train.prompts import group_request, step_prompts
 from app.types import GenerationRequest, LoraAdapter
 
@@ -30,6 +30,7 @@ class OnPolicySchedule:
     def __init__(self, config: RunConfig, rollout: BlockingRolloutClient, prompts: list[str], *, rank: int,
                  world: int):
         self.config, self.rollout, self.prompts, self.rank, self.world = config, rollout, prompts, rank, world
+        self.publication_s = 0.0  # rank 0: the last publication's seconds until every replica served it
 
     def requests(self, step: int, version: int | None) -> list[GenerationRequest]:
         """This worker's groups of step `step`: the step's groups dealt round-robin to the workers, pinned to
@@ -51,9 +52,13 @@ class OnPolicySchedule:
 
     def publish(self, adapter: LoraAdapter) -> int:
         """Serve `adapter` from now on (a collective); the replicas that died before loading it (rank 0 counts)."""
-        lost = self.rollout.publish(adapter).lost if self.rank == 0 else 0
+        lost = self._published(self.rollout.publish(adapter)) if self.rank == 0 else 0
         dist.barrier()
         return lost
+
+    def _published(self, publication: Publication) -> int:
+        self.publication_s = publication.seconds
+        return publication.lost
 
     def finish(self) -> None:
         """The replicas serve the final adapter when this returns."""
@@ -76,7 +81,7 @@ class PipelinedSchedule(OnPolicySchedule):
         """Wait for the last publication to reach the replicas, then request the groups of steps step+1 .. step+k
         not yet requested (the run's steps only), to generate while this one trains."""
         with timer("publish_wait"):
-            lost = self.publishing.result().lost if self.publishing is not None else 0
+            lost = self._published(self.publishing.result()) if self.publishing is not None else 0
             dist.barrier()
         train = self.config.train
         for ahead in range(step + 1, min(step + train.max_staleness, train.num_steps - 1) + 1):
