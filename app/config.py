@@ -222,15 +222,31 @@ class ModelRewardConfig:
 
 
 @dataclass
+class JudgeRewardConfig:
+    """A VLM judge from a local folder (app/rewards/judge.py): Qwen2.5-VL or Qwen3-VL weights, or a tiny random build
+    (`python -m jobs.make_tiny_models --preset tiny-judge`)."""
+
+    # a transformers folder with the model, its processor and chat template (e.g. Qwen/Qwen2.5-VL-3B-Instruct)
+    path: str | None = None
+    # ocr: read the image's text greedily, scored as the OCR term; yesno: P(Yes) for "Does this image show ...?"
+    mode: str = "ocr"
+    # images per forward in the reward replica
+    batch_size: int = 8
+    # ocr: the longest reading (tokens)
+    max_new_tokens: int = 32
+
+
+@dataclass
 class RewardConfig:
     # reward name -> weight of the weighted sum ("ocr", "jpeg_compressibility", "pickscore", "clipscore",
-    # "aesthetic"); a YAML file or a `reward.weights={...}` override replaces the whole mapping (exactly the rewards
+    # "aesthetic", "vlm_judge"); a YAML file or a `reward.weights={...}` override replaces the whole mapping (exactly the rewards
     # named are used)
     weights: dict[str, float] = field(default_factory=lambda: {"ocr": 1.0})
     # the model-based terms' weights (read only when reward.weights names them)
     pickscore: ModelRewardConfig = field(default_factory=ModelRewardConfig)
     clipscore: ModelRewardConfig = field(default_factory=ModelRewardConfig)
     aesthetic: ModelRewardConfig = field(default_factory=ModelRewardConfig)
+    vlm_judge: JudgeRewardConfig = field(default_factory=JudgeRewardConfig)
     # the OCR detector enlarges images whose shorter side is below this (RapidOCR's default 736); small images
     # read the same text without it at a fraction of the cost
     ocr_detect_min_side: int = DETECT_MIN_SIDE
@@ -503,6 +519,14 @@ def _check_app(config: AppConfig | RunConfig) -> None:
                      "reward.weights names aesthetic: set reward.aesthetic.head_path to the LAION head's state dict "
                      "(sac+logos+ava1-l14-linearMSE.pth)")
             _require(section.batch_size >= 1, f"reward.{name}.batch_size={section.batch_size} must be >= 1")
+    if "vlm_judge" in reward.weights:
+        judge = reward.vlm_judge
+        _require(judge.path is not None, "reward.weights names vlm_judge: set reward.vlm_judge.path to a local folder "
+                 "with a Qwen2.5-VL or Qwen3-VL judge (model, processor, chat template)")
+        _require(judge.mode in ("ocr", "yesno"), f"reward.vlm_judge.mode={judge.mode!r} must be ocr or yesno")
+        _require(judge.batch_size >= 1 and judge.max_new_tokens >= 1,
+                 f"reward.vlm_judge.batch_size={judge.batch_size} and max_new_tokens={judge.max_new_tokens} must be "
+                 ">= 1")
     _require(reward.replica_num_gpus >= 0, f"reward.replica_num_gpus={reward.replica_num_gpus} must be >= 0")
     _require(reward.ocr_detect_min_side >= 32,
              f"reward.ocr_detect_min_side={reward.ocr_detect_min_side} must be >= 32 (the OCR detector's least)")

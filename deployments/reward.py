@@ -28,6 +28,9 @@ def reward_options(reward: RewardConfig, *, ocr_threads: int | None = None) -> d
         section = getattr(reward, name)
         options[name] = {"path": section.path, "processor_path": section.processor_path,
                          "head_path": section.head_path, "batch_size": section.batch_size, "key": f"reward.{name}"}
+    judge = reward.vlm_judge
+    options["vlm_judge"] = {"path": judge.path, "mode": judge.mode, "batch_size": judge.batch_size,
+                            "max_new_tokens": judge.max_new_tokens}
     return options
 
 

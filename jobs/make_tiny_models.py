@@ -9,6 +9,7 @@ benchmarks, and real-size ones for GPU measurements. Each model family declares 
     python -m jobs.make_tiny_models --preset tiny-sd3 --out .cache/tiny-sd3
     python -m jobs.make_tiny_models --preset sd35-medium --out /data/sd35m-random [--layers 24]
     python -m jobs.make_tiny_models --preset tiny-clip --out .cache/tiny-clip   # the CLIP-type rewards' model
+    python -m jobs.make_tiny_models --preset tiny-judge --out .cache/tiny-judge  # the VLM judge's
 
 An identical build already at --out is kept unless --overwrite is given.
 """
@@ -23,7 +24,9 @@ from app.models.family import FAMILY_NAMES, Preset, get_family
 # reward models (app/rewards/): built here as the families' checkpoints are
 REWARD_PRESETS = {"tiny-clip": Preset("app.rewards.tiny:build_tiny_clip",
                                       "a tiny CLIPModel + processor and a LAION aesthetic head of the same layout, "
-                                      "for reward.pickscore/clipscore/aesthetic")}
+                                      "for reward.pickscore/clipscore/aesthetic"),
+                  "tiny-judge": Preset("app.rewards.tiny:build_tiny_judge",
+                                       "a tiny Qwen2.5-VL with its processor and chat template, for reward.vlm_judge")}
 
 
 def presets() -> dict:

@@ -76,6 +76,14 @@ def tiny_clip_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_judge_dir() -> Path:
+    """The tiny Qwen2.5-VL judge (model, processor, chat template), built once into the cache folder."""
+    from app.rewards.tiny import build_tiny_judge
+
+    return build_tiny_judge(TINY_CACHE / "tiny-judge", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_sd3_dir() -> Path:
     """The tiny SD3 checkpoint, built once into the cache folder and reused across sessions."""
     from app.models.sd3.tiny import build_tiny_sd3

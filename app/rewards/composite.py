@@ -12,16 +12,17 @@ def _registry() -> dict:
 
     from app.rewards.clip import ClipReward
     from app.rewards.jpeg import JpegCompressibilityReward
+    from app.rewards.judge import VlmJudgeReward
     from app.rewards.ocr import OcrReward
 
     return {"ocr": OcrReward, "jpeg_compressibility": JpegCompressibilityReward,
-            **{name: partial(ClipReward, name) for name in MODEL_REWARDS}}
+            **{name: partial(ClipReward, name) for name in MODEL_REWARDS}, "vlm_judge": VlmJudgeReward}
 
 
 # the model-based terms (app/rewards/clip.py) and the weights each reads from its folder
 MODEL_REWARDS = {"pickscore": "PickScore_v1", "clipscore": "openai/clip-vit-large-patch14",
                  "aesthetic": "openai/clip-vit-large-patch14 and the LAION aesthetic head"}
-REWARD_NAMES = ("ocr", "jpeg_compressibility", *MODEL_REWARDS)
+REWARD_NAMES = ("ocr", "jpeg_compressibility", *MODEL_REWARDS, "vlm_judge")  # vlm_judge: app/rewards/judge.py
 
 
 class WeightedReward:

@@ -51,3 +51,48 @@ def build_tiny_clip(out: str | Path, *, seed: int = 0, overwrite: bool = False) 
         torch.save(head, folder / AESTHETIC_HEAD)
 
     return write_build(Path(out), {"tiny": "clip", "seed": seed, "version": BUILD_VERSION}, save, overwrite=overwrite)
+
+
+# Qwen2.5-VL's chat format, reduced to what a judge sends (the real folders ship their own template)
+JUDGE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+JUDGE_PIXELS = 56 * 56  # the processor resizes every image to at most this many pixels: 4 patches of 28 px
+
+
+def build_tiny_judge(out: str | Path, *, seed: int = 0, overwrite: bool = False) -> Path:
+    """A tiny Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`) with its processor and chat template at `out`: the
+    project's Qwen2 tokenizer, plus "Yes" and "No" as single tokens as a real judge's vocabulary has them."""
+    import torch
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+
+    from app.models.builds import SPECIAL_TOKENS, train_tokenizer
+
+    def save(folder: Path) -> None:
+        tokenizer = train_tokenizer()
+        tokenizer.add_tokens(["Yes", "No"])
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+                text_config=dict(
+                    vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                    bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                    pad_token_id=ids["<|endoftext|>"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}),
+                vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                                   fullatt_block_indexes=[0]),
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])).eval()
+        model.generation_config.pad_token_id = ids["<|endoftext|>"]
+        model.save_pretrained(folder)
+        images = Qwen2VLImageProcessor(min_pixels=JUDGE_PIXELS, max_pixels=JUDGE_PIXELS)
+        Qwen2_5_VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor(),
+                            chat_template=JUDGE_CHAT_TEMPLATE).save_pretrained(folder)
+
+    return write_build(Path(out), {"tiny": "qwen2.5-vl judge", "seed": seed, "version": BUILD_VERSION}, save,
+                       overwrite=overwrite)
