@@ -26,7 +26,11 @@ REWARD_PRESETS = {"tiny-clip": Preset("app.rewards.tiny:build_tiny_clip",
                                       "a tiny CLIPModel + processor and a LAION aesthetic head of the same layout, "
                                       "for reward.pickscore/clipscore/aesthetic"),
                   "tiny-judge": Preset("app.rewards.tiny:build_tiny_judge",
-                                       "a tiny Qwen2.5-VL with its processor and chat template, for reward.vlm_judge")}
+                                       "a tiny Qwen2.5-VL with its processor and chat template, for reward.vlm_judge"),
+                  "pickscore-full": Preset("app.rewards.tiny:build_full_clip",
+                                           "PickScore's size (CLIP ViT-H/14), random bf16 weights: GPU benches"),
+                  "judge-3b-full": Preset("app.rewards.tiny:build_full_judge",
+                                          "Qwen2.5-VL-3B's size, random bf16 weights (drawn on the GPU): GPU benches")}
 
 
 def presets() -> dict:
