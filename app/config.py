@@ -234,13 +234,18 @@ class JudgeRewardConfig:
     batch_size: int = 8
     # ocr: the longest reading (tokens)
     max_new_tokens: int = 32
+    # the judge's own Serve deployment (`Judge`): every reward replica asks it
+    num_replicas: int = 1
+    replica_num_cpus: float = 1.0
+    # a GPU share runs it in bf16; 0: CPUs, fp32
+    replica_num_gpus: float = 0.0
 
 
 @dataclass
 class RewardConfig:
     # reward name -> weight of the weighted sum ("ocr", "jpeg_compressibility", "pickscore", "clipscore",
-    # "aesthetic", "vlm_judge"); a YAML file or a `reward.weights={...}` override replaces the whole mapping (exactly the rewards
-    # named are used)
+    # "aesthetic", "vlm_judge"); a YAML file or a `reward.weights={...}` override replaces the whole mapping (exactly
+    # the rewards named are used)
     weights: dict[str, float] = field(default_factory=lambda: {"ocr": 1.0})
     # the model-based terms' weights (read only when reward.weights names them)
     pickscore: ModelRewardConfig = field(default_factory=ModelRewardConfig)
@@ -456,6 +461,10 @@ class RunConfig:
                  **{k: ro.num_replicas * v for k, v in ro.replica_resources.items()}},
             f"reward ({rw.num_replicas} x reward.replica_num_cpus/gpus)":
                 {"CPU": rw.num_replicas * rw.replica_num_cpus, "GPU": rw.num_replicas * rw.replica_num_gpus},
+            **({f"judge ({rw.vlm_judge.num_replicas} x reward.vlm_judge.replica_num_cpus/gpus)":
+                {"CPU": rw.vlm_judge.num_replicas * rw.vlm_judge.replica_num_cpus,
+                 "GPU": rw.vlm_judge.num_replicas * rw.vlm_judge.replica_num_gpus}} if "vlm_judge" in rw.weights
+               else {}),
             "HTTP ingress (serve.api_num_cpus)": {"CPU": self.serve.api_num_cpus},
             f"training ({cl.num_workers} x cluster.worker_num_cpus/gpus/resources)":
                 {"CPU": cl.num_workers * cl.worker_num_cpus,
@@ -524,9 +533,12 @@ def _check_app(config: AppConfig | RunConfig) -> None:
         _require(judge.path is not None, "reward.weights names vlm_judge: set reward.vlm_judge.path to a local folder "
                  "with a Qwen2.5-VL or Qwen3-VL judge (model, processor, chat template)")
         _require(judge.mode in ("ocr", "yesno"), f"reward.vlm_judge.mode={judge.mode!r} must be ocr or yesno")
-        _require(judge.batch_size >= 1 and judge.max_new_tokens >= 1,
-                 f"reward.vlm_judge.batch_size={judge.batch_size} and max_new_tokens={judge.max_new_tokens} must be "
-                 ">= 1")
+        _require(judge.batch_size >= 1 and judge.max_new_tokens >= 1 and judge.num_replicas >= 1,
+                 f"reward.vlm_judge.batch_size={judge.batch_size}, max_new_tokens={judge.max_new_tokens} and "
+                 f"num_replicas={judge.num_replicas} must be >= 1")
+        _require(judge.replica_num_cpus > 0 and judge.replica_num_gpus >= 0,
+                 f"reward.vlm_judge.replica_num_cpus={judge.replica_num_cpus} must be > 0 and replica_num_gpus="
+                 f"{judge.replica_num_gpus} >= 0")
     _require(reward.replica_num_gpus >= 0, f"reward.replica_num_gpus={reward.replica_num_gpus} must be >= 0")
     _require(reward.ocr_detect_min_side >= 32,
              f"reward.ocr_detect_min_side={reward.ocr_detect_min_side} must be >= 32 (the OCR detector's least)")

@@ -5,7 +5,8 @@ the deployments, so a setting is added in one place, `app/config.py`.
 
 One application, four deployments behind Serve's load balancer: `Rollout` (the engine replicas), `Reward`
 (the composite reward, `@serve.batch`ed), `Adapters` (the published LoRA, where every rollout replica finds it;
-`adapters.py`), `Api` (the HTTP ingress). Resources per replica come from the sections.
+`adapters.py`), `Api` (the HTTP ingress); and `Judge` where `reward.weights` names `vlm_judge` (the judge's model,
+which the reward replicas ask: `judge.py`). Resources per replica come from the sections.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from app.faults import ENV as CRASH_ENV  # tests only: crash points reach the re
 from deployments.adapters import AdapterStore
 from deployments.api import ApiIngress
 from deployments.api import app as fastapi_app
+from deployments.judge import JudgeScorer
 from deployments.reward import RewardScorer
 from deployments.rollout import RolloutReplica
 
@@ -42,12 +44,18 @@ class _ServedRollout(RolloutReplica):
 
 
 class _ServedReward(RewardScorer):
-    def __init__(self, reward: RewardConfig, *, torch_threads: int, log_level: str):
-        super().__init__(reward, torch_threads=torch_threads, log_level=log_level)
+    def __init__(self, reward: RewardConfig, *, torch_threads: int, log_level: str, judge=None):
+        super().__init__(reward, torch_threads=torch_threads, log_level=log_level, judge=judge)
         self._score_one.set_max_batch_size(reward.max_batch_size)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.02)
     async def _score_one(self, batches: list[tuple]) -> list:  # concurrent groups scored in one call
+        return await self.score_batch(batches)
+
+
+class _ServedJudge(JudgeScorer):
+    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.02)
+    async def _score_one(self, batches: list[tuple]) -> list:  # concurrent groups read in one pass
         return await self.score_batch(batches)
 
 
@@ -99,12 +107,21 @@ def build_app(args: Mapping | AppConfig) -> Application:
                            "runtime_env": env,
                            **({"resources": dict(rollout.replica_resources)} if rollout.replica_resources else {})},
     ).bind(model, rollout, adapters=adapters, torch_threads=settings.replica_torch_threads)
+    judge = None
+    if "vlm_judge" in reward.weights:  # the judge's model loads in its own replicas, which the reward replicas ask
+        section = reward.vlm_judge
+        judge = serve.deployment(
+            _ServedJudge, name="Judge", num_replicas=section.num_replicas, max_ongoing_requests=16,
+            logging_config=logging_config,
+            ray_actor_options={"num_cpus": section.replica_num_cpus, "num_gpus": section.replica_num_gpus,
+                               "runtime_env": env},
+        ).bind(section, torch_threads=settings.replica_torch_threads)
     reward_app = serve.deployment(
         _ServedReward, name="Reward", num_replicas=reward.num_replicas,
         max_ongoing_requests=4 * reward.max_batch_size, logging_config=logging_config,
         ray_actor_options={"num_cpus": reward.replica_num_cpus, "num_gpus": reward.replica_num_gpus,
                            "runtime_env": env},
-    ).bind(reward, torch_threads=settings.replica_torch_threads, log_level=log_level)
+    ).bind(reward, torch_threads=settings.replica_torch_threads, log_level=log_level, judge=judge)
     ingress = serve.deployment(serve.ingress(fastapi_app)(ApiIngress), name="Api", logging_config=logging_config,
                                ray_actor_options={"num_cpus": settings.api_num_cpus})
     return ingress.bind(rollout_app, reward_app, adapters, sampling=rollout, limits=settings, family=model.family)

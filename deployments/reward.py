@@ -16,9 +16,9 @@ def ocr_options(reward: RewardConfig) -> dict:
     return {"detect_min_side": reward.ocr_detect_min_side, "threads": max(1, int(reward.replica_num_cpus))}
 
 
-def reward_options(reward: RewardConfig, *, ocr_threads: int | None = None) -> dict[str, dict]:
+def reward_options(reward: RewardConfig, *, ocr_threads: int | None = None, judge=None) -> dict[str, dict]:
     """Every term's constructor settings (`app.rewards.build_reward`): the OCR engines, and the model-based terms'
-    folders (each error names its key)."""
+    folders (each error names its key); `judge`: the judge deployment's handle, asked instead of loading it here."""
     from app.rewards.composite import MODEL_REWARDS
 
     options = {"ocr": ocr_options(reward)}
@@ -29,18 +29,25 @@ def reward_options(reward: RewardConfig, *, ocr_threads: int | None = None) -> d
         options[name] = {"path": section.path, "processor_path": section.processor_path,
                          "head_path": section.head_path, "batch_size": section.batch_size, "key": f"reward.{name}"}
     judge = reward.vlm_judge
-    options["vlm_judge"] = {"path": judge.path, "mode": judge.mode, "batch_size": judge.batch_size,
-                            "max_new_tokens": judge.max_new_tokens}
+    section = reward.vlm_judge
+    if judge is not None:
+        from deployments.judge import RemoteJudge
+
+        options["vlm_judge"] = {"remote": RemoteJudge(judge)}
+    else:
+        options["vlm_judge"] = {"path": section.path, "mode": section.mode, "batch_size": section.batch_size,
+                                "max_new_tokens": section.max_new_tokens}
     return options
 
 
 class RewardScorer:
-    def __init__(self, reward: RewardConfig, *, torch_threads: int | None = 1, log_level: str = "INFO"):
+    def __init__(self, reward: RewardConfig, *, torch_threads: int | None = 1, log_level: str = "INFO",
+                 judge=None):
         if torch_threads:
             import torch
 
             torch.set_num_threads(torch_threads)
-        self.reward = build_reward(reward.weights, reward_options(reward))
+        self.reward = build_reward(reward.weights, reward_options(reward, judge=judge))
         logging.getLogger("RapidOCR").setLevel(log_level)  # its own handler, INFO by default
         self.scored = 0
 

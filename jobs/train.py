@@ -139,7 +139,7 @@ def shares_gpus(config: RunConfig) -> bool:
 def packing_warning(config: RunConfig) -> str | None:
     """Ray hands out a fraction of a GPU from the fullest GPU it still fits (best fit), so replicas of half a GPU
     or less pack two to a GPU, and the ranks take the GPUs left: not a replica and a rank on each GPU."""
-    ro, cl = config.rollout, config.cluster
+    ro = config.rollout
     if not (shares_gpus(config) and ro.num_replicas > 1 and ro.replica_num_gpus <= 0.5):
         return None
     return (f"rollout.num_replicas={ro.num_replicas} at rollout.replica_num_gpus={ro.replica_num_gpus:g}: Ray packs "

@@ -16,7 +16,16 @@ def _registry() -> dict:
     from app.rewards.ocr import OcrReward
 
     return {"ocr": OcrReward, "jpeg_compressibility": JpegCompressibilityReward,
-            **{name: partial(ClipReward, name) for name in MODEL_REWARDS}, "vlm_judge": VlmJudgeReward}
+            **{name: partial(ClipReward, name) for name in MODEL_REWARDS}, "vlm_judge": _judge_term(VlmJudgeReward)}
+
+
+def _judge_term(local):
+    """The judge in this process, or (`remote=`: a term object, e.g. `deployments.judge.RemoteJudge`) the judge
+    deployment that a reward replica asks."""
+    def make(remote=None, **kwargs):
+        return remote if remote is not None else local(**kwargs)
+
+    return make
 
 
 # the model-based terms (app/rewards/clip.py) and the weights each reads from its folder

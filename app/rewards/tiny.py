@@ -113,8 +113,13 @@ def build_full_judge(out: str | Path, *, seed: int = 0, overwrite: bool = False)
 
 def _build_judge(out: str | Path, sizes: dict, wanted: dict, seed: int, overwrite: bool, dtype: str | None = None):
     import torch
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
-                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     from app.models.builds import SPECIAL_TOKENS, train_tokenizer
 

@@ -32,7 +32,7 @@ def test_yesno_is_the_share_of_yes_in_float64(tiny_judge_dir):
     processor = AutoProcessor.from_pretrained(tiny_judge_dir)
     yes, no = (processor.tokenizer.convert_tokens_to_ids(w) for w in ("Yes", "No"))
     expected = []
-    for image, prompt in zip(images, PROMPTS):
+    for image, prompt in zip(images, PROMPTS, strict=True):
         text = processor.apply_chat_template([{"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": YESNO_QUESTION.format(prompt)}]}], add_generation_prompt=True)
         inputs = processor(text=[text], images=[Image.fromarray(image)], return_tensors="pt")
@@ -62,7 +62,7 @@ def test_ocr_mode_scores_its_reading_as_the_ocr_term(tiny_judge_dir):
     images = _images()
     scores, read = VlmJudgeReward(str(tiny_judge_dir), mode="ocr", max_new_tokens=8).score_and_read(images, PROMPTS)
     assert len(read) == 5 and all(isinstance(t, str) for t in read)
-    assert scores == [ocr_score(t, target_text(p)) for t, p in zip(read, PROMPTS)]
+    assert scores == [ocr_score(t, target_text(p)) for t, p in zip(read, PROMPTS, strict=True)]
 
 
 def test_bf16_agrees_with_fp32(tiny_judge_dir):
