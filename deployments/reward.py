@@ -28,7 +28,6 @@ def reward_options(reward: RewardConfig, *, ocr_threads: int | None = None, judg
         section = getattr(reward, name)
         options[name] = {"path": section.path, "processor_path": section.processor_path,
                          "head_path": section.head_path, "batch_size": section.batch_size, "key": f"reward.{name}"}
-    judge = reward.vlm_judge
     section = reward.vlm_judge
     if judge is not None:
         from deployments.judge import RemoteJudge

@@ -28,7 +28,7 @@ SCHEMATHESIS = str(Path(sys.executable).with_name("schemathesis"))
 
 
 @pytest.fixture(scope="module")
-def served(serve_url, tiny_model_dir, tiny_clip_dir):
+def served(serve_url, tiny_model_dir, tiny_clip_dir, tiny_judge_dir):
     from ray import serve
 
     from deployments.builders import build_app
@@ -37,13 +37,16 @@ def served(serve_url, tiny_model_dir, tiny_clip_dir):
     # serve_config.yaml's `args:` form: a run config's sections plus `serve`
     args = {"model": {"path": str(tiny_model_dir), "dtype": "float32"},
             "rollout": {**SAMPLING, "num_replicas": 2, "replica_num_cpus": 0.5, "max_ongoing_requests": 4},
-            # OCR, and PickScore from the tiny CLIP (a model-based term in the same replica)
-            "reward": {"weights": {"ocr": 1.0, "pickscore": 0.5}, "pickscore": {"path": str(tiny_clip_dir)},
-                       "replica_num_cpus": 0.5},
+            # OCR, PickScore from the tiny CLIP (a model-based term in the same replica) and the tiny VLM judge
+            # (its own deployment, which the reward replica asks)
+            "reward": {"weights": {"ocr": 1.0, "pickscore": 0.5, "vlm_judge": 0.25},
+                       "pickscore": {"path": str(tiny_clip_dir)}, "replica_num_cpus": 0.5,
+                       "vlm_judge": {"path": str(tiny_judge_dir), "mode": "yesno", "replica_num_cpus": 0.25}},
             "serve": {"max_n": 4, "max_side": 128, "max_steps": 4, "max_reward_images": 4, "api_num_cpus": 0.25}}
     serve.run(build_app(args), name=APP, route_prefix="/")
     rollout, reward, adapters = handles(APP)
-    yield {"url": serve_url, "rollout": rollout, "reward": reward, "adapters": adapters, "clip": tiny_clip_dir}
+    yield {"url": serve_url, "rollout": rollout, "reward": reward, "adapters": adapters, "clip": tiny_clip_dir,
+           "judge": tiny_judge_dir}
     serve.delete(APP)
 
 
@@ -78,7 +81,7 @@ def test_http_reward_scores_rendered_text(served):
             "prompts": ['a sign "OPEN 24H"'] * 2}
     response = requests.post(f"{served['url']}/v1/rewards", json=body, timeout=120)
     assert response.status_code == 200, response.text
-    ocr, pickscore = (response.json()["components"][name] for name in ("ocr", "pickscore"))
+    ocr, pickscore, judge = (response.json()["components"][name] for name in ("ocr", "pickscore", "vlm_judge"))
     assert ocr[0] >= 0.9 and ocr[1] < ocr[0]
     # the tiny PickScore: as the same term scores the same images in this process, weighted into the total
     from app.rewards.clip import ClipReward
@@ -86,7 +89,13 @@ def test_http_reward_scores_rendered_text(served):
     images = np.stack([rendered("OPEN 24H"), rendered("CLOSED")])
     np.testing.assert_allclose(pickscore, ClipReward("pickscore", str(served["clip"])).score(images, body["prompts"]),
                                rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(response.json()["scores"], np.add(ocr, np.multiply(0.5, pickscore)), rtol=1e-6)
+    # the judge's deployment answers as the judge in this process does
+    from app.rewards.judge import VlmJudgeReward
+
+    np.testing.assert_allclose(judge, VlmJudgeReward(str(served["judge"]), mode="yesno").score(images, body["prompts"]),
+                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(response.json()["scores"],
+                               np.add(ocr, np.add(np.multiply(0.5, pickscore), np.multiply(0.25, judge))), rtol=1e-6)
 
 
 def test_groups_are_spread_over_both_replicas(served):

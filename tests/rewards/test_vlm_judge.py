@@ -112,3 +112,12 @@ def test_the_qwen_image_judge_recipe_loads():
     assert config.reward.weights == {"vlm_judge": 1.0} and config.reward.vlm_judge.mode == "ocr"
     assert config.rollout.num_replicas + config.cluster.num_workers + \
         config.reward.num_replicas * config.reward.replica_num_gpus == 8  # one 8-GPU node
+
+
+def test_the_judge_deployment_reserves_its_own_resources(tiny_judge_dir):
+    """Named in reward.weights, the judge is a part of its own in what the run reserves (its replicas' CPUs or GPU
+    share), which the job checks against the cluster before it starts anything; not named, it reserves nothing."""
+    named = load("configs/tiny_cpu.yaml", [f"reward.vlm_judge.path={tiny_judge_dir}", "reward.weights={vlm_judge: 1}",
+                                           "reward.vlm_judge.num_replicas=2", "reward.vlm_judge.replica_num_gpus=0.25"])
+    assert named.resources()["judge (2 x reward.vlm_judge.replica_num_cpus/gpus)"] == {"CPU": 2.0, "GPU": 0.5}
+    assert not any(part.startswith("judge") for part in load("configs/tiny_cpu.yaml").resources())
