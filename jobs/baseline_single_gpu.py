@@ -7,7 +7,7 @@ The same model, recipe, prompts and seeds as `jobs.train` with that config, but 
 with the very module the optimizer updates (no adapter to publish), groups are generated one after another, and
 the reward runs in this process between them. Prints one JSON line per step and a summary line (images/s, phase
 times, whole-step MFU, peak GPU memory), so the Ray loop's overhead and the cost of separate rollout and training
-GPUs are measured side by side (README, Performance).
+GPUs are measured side by side (docs/performance.md).
 """
 
 from __future__ import annotations

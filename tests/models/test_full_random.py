@@ -1,6 +1,6 @@
 """The real-size random Qwen-Image builder, at the real width but one block deep (a CPU can hold that): Qwen-Image's
 shapes, deterministic from the seed, and loadable through the normal `model.path` route by the rollout engine and
-the trainer, which sample and score it alike. The 60-block build runs on the GPU machine (README, Performance)."""
+the trainer, which sample and score it alike. The 60-block build runs on the GPU machine (docs/performance.md)."""
 
 import pytest
 import torch

@@ -14,7 +14,8 @@ first 4):
 The threshold 0.015 is 7 noise stds above the noise mean and below every learning seed. (At lr 3e-2 the gains were
 +0.112, +0.077, -0.014: faster, and unstable.)
 
-With CFG 4 the tiny random model drifts down instead (README "BAGEL"); a real checkpoint's recipe guides.
+With CFG 4 the tiny random model drifts down instead (docs/model_families.md "BAGEL"); a real checkpoint's recipe
+guides.
 """
 
 import pytest

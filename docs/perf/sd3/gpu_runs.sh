@@ -1,5 +1,5 @@
 #!/bin/bash
-# SD3.5-Medium at its real size (random weights) on one lent GPU: the figures of README "Stable Diffusion 3" and
+# SD3.5-Medium at its real size (random weights) on one lent GPU: the figures of docs/model_families.md "Stable Diffusion 3" and
 # issue 26's point 5, side by side with flow_grpo's ≈ 0.83 img/s/GPU (its OCR recipe, flow_grpo #96). One device
 # call per stage, back to back (the machine keeps /tmp only while calls follow each other). In the project root,
 # with the device wheels installed and PYTHONPATH set:
