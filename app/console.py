@@ -9,9 +9,11 @@ bars, and Ray's `RAY_DEDUP_LOGS_SKIP_REGEX`, which drops matching lines that wor
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
+import sys
 
 # Lines every run prints that need no action (regex, why), dropped unless verbose. Anything else still shows.
 KNOWN_HARMLESS = [
@@ -50,17 +52,26 @@ _DROP_HARMLESS = _DropHarmless()  # one instance: adding it again to a logger or
 
 
 def set_driver_env(verbose: bool) -> None:
-    """Before `import ray` in the driver: forwarded worker lines that are known harmless are not printed."""
+    """Before `import ray` in the driver: forwarded worker lines that are known harmless are not printed, and
+    worker lines carry no colour codes unless the console is a terminal (a log file or a pipe shows them as junk)."""
     if not verbose:
         os.environ.setdefault("RAY_DEDUP_LOGS_SKIP_REGEX", _HARMLESS.pattern)
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def quiet_this_process(verbose: bool) -> None:
     """Loggers of this process: WARNING and above, minus the known-harmless warnings (nothing when verbose)."""
     if verbose:
         return
-    # weight-loading progress bars (diffusers, transformers) of this process and of the workers it starts
+    # weight-loading and -writing progress bars (diffusers, transformers) of this process and of the workers it
+    # starts: tqdm's own switch, and the Hugging Face libraries' (read when they are imported; already imported
+    # ones are told directly)
     os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for library in ("transformers", "diffusers"):
+        if library in sys.modules:
+            importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
     for name in _CHATTY_LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))

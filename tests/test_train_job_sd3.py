@@ -37,6 +37,7 @@ def sd3_run(tmp_path_factory, job_cluster):
     assert "training of sd3" in done.stdout
     assert f"cluster:     {job_cluster.address} (2 nodes)" in done.stdout
     assert "pipelined: the next 1 step(s) generate while one trains" in done.stdout
+    assert "\x1b[" not in done.stdout + done.stderr  # a pipe gets the workers' lines without colour codes
     return run_dir
 
 
