@@ -24,10 +24,11 @@ from app.algo.timesteps import trained_steps
 from app.config import load
 from app.flops import group_flops, mfu
 from app.metrics import PhaseTimer, Stats
+from app.prompt_sets import load_prompts
 from app.rewards import build_reward
 from app.rollout.diffusers_engine import DiffusersEngine
 from app.train.policy import Policy
-from app.train.prompts import group_request, load_prompts, step_prompts
+from app.train.prompts import group_request, step_prompts
 from app.train.update import make_optimizer, train_pass
 from deployments.reward import reward_options
 from jobs.report import emit_json_line

@@ -63,7 +63,7 @@ def checked(args: argparse.Namespace):
     """(config, eval prompts, adapters) or a ConfigError saying what to change. Starts nothing."""
     from app.models.family import get_family
     from app.models.lora import adapter_problem, read_adapter
-    from app.train.prompts import load_prompts
+    from app.prompt_sets import load_prompts
     from jobs.train import check_eval_set, check_model_path
 
     config = load(args.config, args.overrides)

@@ -40,7 +40,7 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     """The run config and run folder, or a ConfigError saying what to change. Starts nothing."""
     config = load(args.config, args.overrides)
     check_model_path(config)
-    from app.train.prompts import load_prompts
+    from app.prompt_sets import load_prompts
 
     try:
         prompts = load_prompts(config.data.prompts)
@@ -81,7 +81,7 @@ def check_model_path(config: RunConfig) -> None:
 
 def check_eval_set(config: RunConfig, training_prompts: list | None) -> list:
     """The eval set's prompts (a ConfigError if it cannot be read); a warning when some are training prompts."""
-    from app.eval.sets import eval_prompts, overlap
+    from app.prompt_sets import eval_prompts, overlap
 
     try:
         prompts = eval_prompts(config)

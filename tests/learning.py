@@ -16,9 +16,10 @@ import torch
 from app.algo.advantages import step_advantages
 from app.config import RunConfig
 from app.metrics import Stats
+from app.prompt_sets import load_prompts
 from app.rewards.jpeg import JpegCompressibilityReward
 from app.train.policy import Policy
-from app.train.prompts import group_request, load_prompts, step_prompts
+from app.train.prompts import group_request, step_prompts
 from app.train.update import train_pass
 
 

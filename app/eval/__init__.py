@@ -1,1 +1,2 @@
-"""Held-out evaluation: eval sets, the evaluation of an adapter through the Serve application, sentinels."""
+"""Held-out evaluation: the evaluation of an adapter through the Serve application, and sentinels (the eval sets
+themselves: app.prompt_sets)."""

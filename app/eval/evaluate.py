@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from app.config import RunConfig, eval_request
+from app.prompt_sets import Prompt
 from app.rewards import RewardScores
 from app.rewards.ocr import exact_match, target_text
 from app.rollout.client import RolloutClient
 from app.rollout.seeding import derived_seed
-from app.train.prompts import Prompt
 
 _EVAL_KEY = 0xE7A1  # keeps eval seeds apart from the training groups' (app.train.prompts.group_seed)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from app.config import RunConfig
 from app.eval.evaluate import Evaluation, eval_requests, evaluate
 from app.eval.report import EvalLog, plot_eval_curve, sentinel_metrics
-from app.eval.sets import eval_prompts
+from app.prompt_sets import eval_prompts
 from app.rollout.client import BlockingRolloutClient
 
 

@@ -40,11 +40,11 @@ from app.console import quiet_this_process
 from app.flops import group_flops
 from app.metrics import PhaseTimer, Stats, busy_shares, reduce_over_workers, reward_metrics, throughput
 from app.models.compile import cache_counts, compile_counts
+from app.prompt_sets import load_prompts
 from app.rollout.client import BlockingRolloutClient, RolloutClient, ScoredGroup
 from app.train import checkpoint
 from app.train.evaluation import RunEvaluator, eval_due
 from app.train.policy import Policy
-from app.train.prompts import load_prompts
 from app.train.schedule import OnPolicySchedule, rollout_schedule
 from app.train.update import make_optimizer, recompute_log_probs, train_pass
 from app.types import LoraAdapter

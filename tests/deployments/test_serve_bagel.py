@@ -9,7 +9,7 @@ import pytest
 import requests
 from PIL import Image
 
-from app.train.prompts import rendered_sign
+from app.prompt_sets import rendered_sign
 
 pytestmark = pytest.mark.slow  # a Ray cluster and Serve
 
@@ -108,7 +108,7 @@ def test_an_edit_evaluation_through_the_served_app_is_deterministic_and_edits_it
     from app.config import load
     from app.eval.evaluate import evaluate
     from app.eval.report import sentinel_metrics
-    from app.eval.sets import eval_prompts
+    from app.prompt_sets import eval_prompts
     from app.rollout.client import RolloutClient
     from deployments.client import handles
 

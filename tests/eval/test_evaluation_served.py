@@ -11,8 +11,8 @@ import pytest
 from app.config import load
 from app.eval.evaluate import evaluate, prompt_seed
 from app.eval.report import sentinel_metrics
-from app.eval.sets import eval_prompts
 from app.faults import ENV as CRASH_ENV
+from app.prompt_sets import eval_prompts
 from app.rollout.client import BlockingRolloutClient, RolloutClient, publish_lora
 
 pytestmark = pytest.mark.slow  # a Ray cluster and Serve

@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 
 from app.config import ConfigError, load
-from app.eval.sets import EVAL_SETS, eval_prompts, overlap
+from app.prompt_sets import BUILTIN, BUILTIN_EDITS, EVAL_SETS, eval_prompts, load_prompts, overlap
 from app.rewards.ocr import target_text
-from app.train.prompts import BUILTIN, BUILTIN_EDITS, load_prompts
 
 
 def training_sets() -> list:

@@ -16,7 +16,7 @@ from app.models.sd3 import model as sd3
 from app.models.sd3.flops import SD3MMDiT, forward_flops
 from app.models.sd3.real_size import TRANSFORMER as SD35_MEDIUM
 from app.models.sd3.tiny import TRANSFORMER, build_tiny_sd3, train_clip_tokenizer, train_t5_tokenizer
-from app.train.prompts import load_prompts
+from app.prompt_sets import load_prompts
 
 
 @pytest.fixture(scope="module")

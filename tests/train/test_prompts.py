@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from app.config import RolloutConfig
-from app.train.prompts import BUILTIN, group_request, group_seed, load_prompts, step_prompts
+from app.prompt_sets import BUILTIN, load_prompts
+from app.train.prompts import group_request, group_seed, step_prompts
 
 PROMPTS = [f"prompt {i}" for i in range(5)]
 
@@ -72,7 +73,7 @@ def test_edit_prompts_from_jsonl_carry_their_image_into_the_request(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from app.train.prompts import EditPrompt
+    from app.prompt_sets import EditPrompt
 
     picture = np.zeros((32, 48, 3), dtype=np.uint8)
     picture[:, :, 0] = 200
