@@ -19,6 +19,7 @@ build_tiny_clip({out!r}, overwrite=True)
 """
 
 
+@pytest.mark.slow  # fresh processes that import the ML stack
 @pytest.mark.parametrize("before", ["import transformers, diffusers", "pass"])
 @pytest.mark.parametrize("verbose", [False, True])
 def test_writing_a_checkpoint_shows_no_progress_bar_unless_verbose(tmp_path, before, verbose):

@@ -152,6 +152,7 @@ open({str(run / "config.yaml")!r}, "w").write(to_yaml(config))
         out.stdout
 
 
+@pytest.mark.slow  # a Ray cluster of its own
 def test_the_shared_overrides_put_a_replica_and_a_rank_on_each_gpu():
     """Ray hands out fractions of a GPU best-fit: replicas at half a GPU pack two to a GPU (the warning says so),
     while the planner's shared shares (a replica more than half, placed first as jobs.train does, then the ranks
