@@ -12,20 +12,18 @@ def _registry() -> dict:
 
     from app.rewards.clip import ClipReward
     from app.rewards.jpeg import JpegCompressibilityReward
-    from app.rewards.judge import VlmJudgeReward
     from app.rewards.ocr import OcrReward
 
     return {"ocr": OcrReward, "jpeg_compressibility": JpegCompressibilityReward,
-            **{name: partial(ClipReward, name) for name in MODEL_REWARDS}, "vlm_judge": _judge_term(VlmJudgeReward)}
+            **{name: partial(ClipReward, name) for name in MODEL_REWARDS}, "vlm_judge": _judge}
 
 
-def _judge_term(local):
+def _judge(remote=None, **kwargs):
     """The judge in this process, or (`remote=`: a term object, e.g. `deployments.judge.RemoteJudge`) the judge
     deployment that a reward replica asks."""
-    def make(remote=None, **kwargs):
-        return remote if remote is not None else local(**kwargs)
+    from app.rewards.judge import VlmJudgeReward
 
-    return make
+    return remote if remote is not None else VlmJudgeReward(**kwargs)
 
 
 # the model-based terms (app/rewards/clip.py) and the weights each reads from its folder
