@@ -95,8 +95,9 @@ def build_app(args: Mapping | AppConfig) -> Application:
     log_level = str(settings.log_level or LogLevel.INFO)
     env = {"env_vars": env_vars}
     logging_config = {"log_level": log_level, "enable_access_log": log_level in ("DEBUG", "INFO")}
-    # one replica, no resources to speak of; many small concurrent reads when replicas start or resync
-    adapters = serve.deployment(AdapterStore, name="Adapters", num_replicas=1, max_ongoing_requests=64,
+    # one replica, no resources to speak of; many small concurrent reads when replicas start or resync, and every
+    # pipelined trainer rank waiting for the next version (`wait_for`) while it trains
+    adapters = serve.deployment(AdapterStore, name="Adapters", num_replicas=1, max_ongoing_requests=1024,
                                 logging_config=logging_config,
                                 ray_actor_options={"num_cpus": 0}).bind(fingerprint=_digest(config, env_vars))
     rollout_app = serve.deployment(

@@ -83,11 +83,15 @@ class RolloutReplica:
         if isinstance(adapter, list):
             (ref,) = adapter
             adapter = await ref
-        if isinstance(adapter, PackedLora):
-            adapter = adapter.unpack(getattr(self.engine, "device", "cpu"))
         version = adapter.version if adapter is not None else 0
         crash_point("rollout.load_lora", version)  # tests only: a replica dying mid-publish
         async with self._adapter_lock:
+            # served already: a request pinned to this version had this replica read the store before the broadcast
+            # arrived (a run resets to the base model before it publishes a version number again)
+            if version > 0 and version == self.engine.lora_version:
+                return version
+            if isinstance(adapter, PackedLora):
+                adapter = adapter.unpack(getattr(self.engine, "device", "cpu"))
             if 0 < version < self.engine.lora_version:  # a restarted run publishes an earlier version again
                 await self.engine.load_lora(None)
             return await self.engine.load_lora(adapter)

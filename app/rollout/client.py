@@ -141,6 +141,22 @@ class RolloutClient:
     async def publish(self, adapter: LoraAdapter | None) -> Publication:
         return await publish_lora(self.rollout, self.adapters, adapter, dtype=self.publish_dtype)
 
+    async def collect_after(self, version: int, requests: Sequence[GenerationRequest], *,
+                            timeout_s: float = 60.0) -> list[ScoredGroup]:
+        """`collect` once the adapter store holds `version` or a later one (being published meanwhile, by this
+        process or another rank's), every request pinned to the stored version: a replica the broadcast has not
+        reached yet reads it from the store first, so nobody waits for the broadcast. Should the store not get
+        there within `timeout_s` (it was restarted and holds the base model), the requests go unpinned and the
+        trainer's staleness check regenerates what comes from another version."""
+        if self.adapters is not None:
+            stored = await self.adapters.wait_for.remote(version, timeout_s)
+            if stored >= version:
+                requests = [r.replace(lora_version=stored) for r in requests]
+            else:
+                logger.warning("the adapter store holds version %d, not %d, after %.0f s; generating with the "
+                               "adapters the replicas have", stored, version, timeout_s)
+        return await self.collect(requests)
+
     async def collect_on_policy(self, requests: Sequence[GenerationRequest],
                                 adapter: LoraAdapter | None) -> tuple[list[ScoredGroup], int]:
         """All groups, in request order, every one sampled with `adapter` (the one last published; None: the base
@@ -197,9 +213,12 @@ class BlockingRolloutClient:
                           adapter: LoraAdapter | None) -> tuple[list[ScoredGroup], int]:
         return self._submit(self.client.collect_on_policy(requests, adapter)).result()
 
-    def collect_ahead(self, requests: Sequence[GenerationRequest]) -> Future:
-        """Generate and score `requests` in the background; the future's result is `collect`'s."""
-        return self._submit(self.client.collect(requests))
+    def collect_ahead(self, requests: Sequence[GenerationRequest], *, after: int | None = None) -> Future:
+        """Generate and score `requests` in the background; the future's result is `collect`'s. after: an adapter
+        version the requests wait for and are pinned to (`RolloutClient.collect_after`)."""
+        if after is None:
+            return self._submit(self.client.collect(requests))
+        return self._submit(self.client.collect_after(after, requests))
 
     def refresh(self, groups: list[ScoredGroup], requests: Sequence[GenerationRequest], adapter: LoraAdapter | None,
                 *, max_staleness: int) -> tuple[list[ScoredGroup], int]:

@@ -94,7 +94,8 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
     # finish): on-policy, now, from the adapter published last; pipelined, while earlier steps trained
     with timer("rollout"):
         groups, regenerated = worker.schedule.groups(step, worker.adapter, worker.state.adapter_version)
-    lost_replicas = worker.schedule.before_training(step, timer)  # pipelined: the next steps start generating
+    # pipelined: the next steps' groups start generating, with the adapter published last
+    lost_replicas = worker.schedule.before_training(step, worker.state.adapter_version)
     trajectories = [s.trajectory for s in groups]
 
     # 3. advantages per prompt group, normalised over the whole step's batch (every worker's rewards)

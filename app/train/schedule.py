@@ -5,10 +5,11 @@ On-policy (k = 0): a step asks for its groups now, each pinned to the adapter pu
 waits until every live replica serves the new adapter (then a barrier: no worker asks for the next step's groups
 before that).
 
-Pipelined (k >= 1): the groups of steps +1 .. +k are generated while a step trains, unpinned: a replica samples
-them with the adapter it has, and each trajectory records its version. A group more than k versions behind the
-policy is generated again with the current adapter. Publication goes on in the background; the next step waits
-for it (it is long done, usually) before it trains.
+Pipelined (k >= 1): the groups of steps +1 .. +k are generated while a step trains, each trajectory recording the
+version that sampled it; a group more than k versions behind the policy is generated again with the current
+adapter. Publication goes on in the background and nobody waits for it: the groups requested next are pinned to
+the adapter just published, so a replica the broadcast has not reached reads it from the adapter store first
+(`RolloutClient.collect_after`), and a publication waits only for the one before it.
 
 Ray Train-free (the loop passes a `BlockingRolloutClient`); `torch.distributed` only for the barriers.
 """
@@ -20,7 +21,6 @@ from concurrent.futures import Future
 import torch.distributed as dist
 
 from app.config import RunConfig
-from app.metrics import PhaseTimer
 from app.rollout.client import BlockingRolloutClient, Publication, ScoredGroup
 from app.train.prompts import group_request, step_prompts
 from app.types import GenerationRequest, LoraAdapter
@@ -46,8 +46,9 @@ class OnPolicySchedule:
         had to be generated again."""
         return self.rollout.collect_on_policy(self.requests(step, version), adapter)
 
-    def before_training(self, step: int, timer: PhaseTimer) -> int:
-        """What must happen between collecting a step's groups and training on them; replicas lost meanwhile."""
+    def before_training(self, step: int, version: int) -> int:
+        """What must happen between collecting a step's groups (the policy at `version`) and training on them;
+        replicas lost meanwhile."""
         return 0
 
     def publish(self, adapter: LoraAdapter) -> int:
@@ -77,26 +78,32 @@ class PipelinedSchedule(OnPolicySchedule):
         groups = (ahead if ahead is not None else self.rollout.collect_ahead(requests)).result()
         return self.rollout.refresh(groups, requests, adapter, max_staleness=self.config.train.max_staleness)
 
-    def before_training(self, step: int, timer: PhaseTimer) -> int:
-        """Wait for the last publication to reach the replicas, then request the groups of steps step+1 .. step+k
-        not yet requested (the run's steps only), to generate while this one trains."""
-        with timer("publish_wait"):
-            lost = self._published(self.publishing.result()) if self.publishing is not None else 0
-            dist.barrier()
+    def before_training(self, step: int, version: int) -> int:
+        """Request the groups of steps step+1 .. step+k not yet requested (the run's steps only), to generate while
+        this one trains, sampled with adapter `version` (the one published last, maybe still on its way) or later."""
+        lost = self._settle(wait=False)
         train = self.config.train
         for ahead in range(step + 1, min(step + train.max_staleness, train.num_steps - 1) + 1):
             if ahead not in self.ahead:
-                self.ahead[ahead] = self.rollout.collect_ahead(self.requests(ahead, None))
+                self.ahead[ahead] = self.rollout.collect_ahead(self.requests(ahead, None), after=version)
         return lost
 
     def publish(self, adapter: LoraAdapter) -> int:
+        lost = 0
         if self.rank == 0:
+            lost = self._settle(wait=True)  # one publication on its way at a time (long done, usually)
             self.publishing = self.rollout.publish_ahead(adapter)
-        return 0
+        return lost
+
+    def _settle(self, *, wait: bool) -> int:
+        """The replicas lost by the last publication once it has landed (its error, if it failed), else 0."""
+        if self.publishing is None or not (wait or self.publishing.done()):
+            return 0
+        publishing, self.publishing = self.publishing, None
+        return self._published(publishing.result())
 
     def finish(self) -> None:
-        if self.publishing is not None:
-            self.publishing.result()
+        self._settle(wait=True)
 
 
 def rollout_schedule(config: RunConfig, rollout: BlockingRolloutClient, prompts: list[str], *, rank: int,

@@ -178,6 +178,38 @@ def test_pipelined_groups_more_than_k_versions_behind_are_regenerated_never_trai
         assert not torch.equal(kept.trajectory.latents, stale.trajectory.latents)
 
 
+def test_groups_asked_for_before_their_adapter_is_stored_wait_for_it_and_are_sampled_with_it(served, tiny_model_dir):
+    """A pipelined rank asks for the next step's groups while rank 0 is still publishing the adapter they must use
+    (`collect_ahead(after=v)`): nothing is generated before the adapter store holds version v, then every group is
+    sampled with it, whether or not the broadcast had reached its replica; a version that never comes sends the
+    requests unpinned after the timeout (the staleness check deals with what they bring)."""
+    import time
+
+    from diffusers import QwenImageTransformer2DModel
+
+    from app.models.lora import random_lora
+    from app.rollout.client import BlockingRolloutClient, RolloutClient
+
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
+    adapters = {v: random_lora(transformer, version=v, rank=4, target_modules=["to_q", "to_v"], seed=v, scale=0.5)
+                for v in (31, 32)}
+    unpinned = [TINY.request(f"a sign that says {i}", n=2, seed=40 + i, group_id=i) for i in range(4)]
+    client = RolloutClient(served["rollout"], served["reward"], served["adapters"], retries=0)
+    with BlockingRolloutClient(client) as blocking:
+        blocking.publish(None)  # whatever other tests published: the store counts from the base model again
+        blocking.publish(adapters[31])
+        ahead = blocking.collect_ahead(unpinned, after=32)
+        time.sleep(1.0)
+        waited = not ahead.done()
+        publication = blocking.publish_ahead(adapters[32])
+        groups = ahead.result(timeout=120)
+        assert publication.result(timeout=120).version == 32
+        late = blocking.call(client.collect_after(33, unpinned[:1], timeout_s=0.5))
+    assert waited  # version 31 was served all along, yet no group was sampled with it
+    assert [g.trajectory.lora_version for g in groups] == [32] * 4
+    assert late[0].trajectory.lora_version == 32
+
+
 def test_a_request_for_a_version_nobody_has_is_refused_and_the_replica_keeps_serving(served):
     from deployments.rollout import AdapterUnavailable
 
