@@ -1,9 +1,11 @@
 #!/bin/bash
 # Two runs at a time on one lent 4-GPU machine: two "lanes" of 2 GPUs, each its own local Ray cluster
 # (CUDA_VISIBLE_DEVICES, RAY_TMPDIR, the Serve port), each running gpu_runs.sh stages one after another. The lanes
-# outlive the device tool's call (setsid): `start` returns at once, `wait S` sleeps up to S seconds and packs what
-# is done into $OUT/lanes.tgz, `collect` packs only. GPU figures: the diffusers engine.
+# outlive the device tool's call (setsid): `start` returns at once, `wait S [a|b|q]` sleeps up to S seconds (or until that part is done) and packs
+# what is done into $OUT/lanes.tgz, `collect` packs only. GPU figures: the diffusers engine.
+# Once both lanes are done, `quad` runs on all four GPUs one after another (its own cluster).
 #   bash docs/perf/scale/gpu_lanes.sh start | wait 540 | collect
+# The lanes of a lease are this script's functions; git history has each lease's (docs/perf/scale/README.md).
 set -uo pipefail
 RES=/tmp/lanes; RUNS=docs/perf/scale/gpu_runs.sh
 # the learning check (issue 34 point 4): 40 steps, the eval set's JPEG reward every 10 (16 held-out prompts,
@@ -15,16 +17,29 @@ lane() {  # lane GPUS NAME PORT: the environment of one lane
   export CUDA_VISIBLE_DEVICES=$1 RAY_TMPDIR=/tmp/ray_$2 OUT=$RES/$2 PORT=$3
   mkdir -p $RAY_TMPDIR $OUT
 }
-lane_a() {
+# 4 GPUs, the per-GPU load of the 2-GPU runs: 4 groups (32 images) a step; 1 + 3 takes 3 (groups divide over ranks)
+QUAD=(train.max_staleness=1 train.groups_per_step=4)
+lane_a() {  # issue 34: the shared placement with the publication off the trainer's path
   lane 0,1 a 8001
   JOB_TIMEOUT=600 bash $RUNS job shared_k1 10 train.max_staleness=1 "${SHARED[@]}" cluster.serve_port=$PORT
-  JOB_TIMEOUT=1100 bash $RUNS job learn_lr0 40 "${LEARN[@]}" train.learning_rate=0 cluster.serve_port=$PORT
 }
-lane_b() {
+lane_b() {  # beside it, the split
   lane 2,3 b 8002
-  JOB_TIMEOUT=1100 bash $RUNS job learn_lr3e-4 40 "${LEARN[@]}" train.learning_rate=3e-4 cluster.serve_port=$PORT
-  KILL_AT=3 JOB_TIMEOUT=700 bash $RUNS kill kill_k1 6 train.max_staleness=1 train.checkpoint_every=2 \
+  JOB_TIMEOUT=600 bash $RUNS job split_k1 10 train.max_staleness=1 cluster.serve_port=$PORT
+}
+quad() {  # issue 38: the placements of 4 GPUs, best predicted first
+  until [ -f $RES/a.done -a -f $RES/b.done ]; do sleep 2; done
+  lane 0,1,2,3 q 8003
+  JOB_TIMEOUT=480 bash $RUNS job q_2p2 10 "${QUAD[@]}" rollout.num_replicas=2 cluster.num_workers=2 \
     cluster.serve_port=$PORT
+  JOB_TIMEOUT=480 bash $RUNS job q_shared4 10 "${QUAD[@]}" rollout.num_replicas=4 rollout.replica_num_gpus=0.6 \
+    cluster.num_workers=4 cluster.worker_num_gpus=0.4 cluster.serve_port=$PORT
+  JOB_TIMEOUT=480 bash $RUNS job q_3p1 10 "${QUAD[@]}" rollout.num_replicas=3 cluster.num_workers=1 \
+    cluster.serve_port=$PORT
+  JOB_TIMEOUT=480 bash $RUNS job q_1p3 10 "${QUAD[@]}" train.groups_per_step=3 rollout.num_replicas=1 \
+    cluster.num_workers=3 cluster.serve_port=$PORT
+  JOB_TIMEOUT=480 bash $RUNS job q_eager_2p2 10 "${QUAD[@]}" rollout.num_replicas=2 cluster.num_workers=2 \
+    model.compile.enabled=false train.old_logprob=rollout cluster.serve_port=$PORT
 }
 pack() {  # logs, metrics, eval results and curves; no checkpoints, images or tensorboard
   (cd /tmp && tar czf $OUT/lanes.tgz --exclude=checkpoints --exclude=images --exclude=tensorboard \
@@ -36,10 +51,12 @@ case "$1" in
   start) mkdir -p $RES; bash $RUNS build
          setsid bash $0 lane_a > $RES/lane_a.out 2>&1 < /dev/null &
          setsid bash $0 lane_b > $RES/lane_b.out 2>&1 < /dev/null &
+         setsid bash $0 quad > $RES/quad.out 2>&1 < /dev/null &
          sleep 2; echo started ;;
   lane_a) lane_a; touch $RES/a.done ;;
   lane_b) lane_b; touch $RES/b.done ;;
-  wait) end=$((SECONDS + $2)); until [ -f $RES/a.done -a -f $RES/b.done ] || [ $SECONDS -ge $end ]; do sleep 5; done
+  quad) quad; touch $RES/q.done ;;
+  wait) end=$((SECONDS + $2)); until [ -f $RES/${3:-q}.done ] || [ $SECONDS -ge $end ]; do sleep 5; done
         pack ;;
   collect) pack ;;
 esac
