@@ -1,8 +1,9 @@
 #!/bin/bash
 # Two runs at a time on one lent 4-GPU machine: two "lanes" of 2 GPUs, each its own local Ray cluster
 # (CUDA_VISIBLE_DEVICES, RAY_TMPDIR, the Serve port), each running gpu_runs.sh stages one after another. The lanes
-# outlive the device tool's call (setsid): `start` returns at once, `wait S [a|b|q]` sleeps up to S seconds (or until that part is done) and packs
-# what is done into $OUT/lanes.tgz, `collect` packs only. GPU figures: the diffusers engine.
+# outlive the device tool's call (setsid): `start` returns at once, `wait S [a|b|q]` sleeps up to S seconds (or
+# until that part is done) and packs what is done into $OUT/lanes.tgz, `collect` packs only. GPU figures: the
+# diffusers engine.
 # Once both lanes are done, `quad` runs on all four GPUs one after another (its own cluster).
 #   bash docs/perf/scale/gpu_lanes.sh start | wait 540 | collect
 # The lanes of a lease are this script's functions; git history has each lease's (docs/perf/scale/README.md).
