@@ -51,6 +51,23 @@ class _DropHarmless(logging.Filter):
 _DROP_HARMLESS = _DropHarmless()  # one instance: adding it again to a logger or handler is a no-op
 
 
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class PlainText:
+    """A text stream that drops colour codes on the way (Ray colours its "[repeated Nx across cluster]" note with no
+    setting to turn it off)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write(_COLOUR.sub("", text))
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def set_driver_env(verbose: bool) -> None:
     """Before `import ray` in the driver: forwarded worker lines that are known harmless are not printed, and
     worker lines carry no colour codes unless the console is a terminal (a log file or a pipe shows them as junk)."""
@@ -58,6 +75,10 @@ def set_driver_env(verbose: bool) -> None:
         os.environ.setdefault("RAY_DEDUP_LOGS_SKIP_REGEX", _HARMLESS.pattern)
     if not sys.stdout.isatty():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            if not stream.isatty() and not isinstance(stream, PlainText):
+                setattr(sys, name, PlainText(stream))
 
 
 def quiet_this_process(verbose: bool) -> None:

@@ -54,6 +54,7 @@ class JobCluster:
 
     def __init__(self, folder: Path, num_cpus: int = 4, trainer_cpus: int = 1):
         self.port, self.serve_port = free_port(), free_port()
+        self.last_job: tuple[str, tuple[str, ...]] | None = None  # (config, args) of the last job run on it
         self.markers = {name: folder / f"crashed-{name}" for name in CRASHES}
         for marker in self.markers.values():
             marker.touch()
@@ -124,6 +125,8 @@ class JobCluster:
 def job_command(*args: str, config: str = "configs/tiny_cpu.yaml", cluster: JobCluster | None = None) -> list[str]:
     where = ([f"cluster.address={cluster.address}", f"cluster.serve_port={cluster.serve_port}"] if cluster
              else [f"cluster.serve_port={free_port()}"])
+    if cluster:
+        cluster.last_job = (config, args)  # whose Serve application the cluster may be left with
     return [sys.executable, "-m", "jobs.train", "--config", config, *where, *args]
 
 

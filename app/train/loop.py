@@ -66,6 +66,11 @@ class Worker:
     evaluator: RunEvaluator | None = None  # rank 0, with evaluation on (eval.every, eval.before_train)
     compiled_frames: int = 0  # dynamo frames this process had compiled at the end of the last step
 
+    @property
+    def publish_dtype(self) -> torch.dtype:
+        """What adapters travel in: the replicas' compute dtype (they would cast to it anyway)."""
+        return getattr(torch, self.config.model.dtype)
+
 
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point. loop_config: {"config": RunConfig, "run_dir": absolute path of the run folder,
@@ -98,8 +103,10 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
     lost_replicas = worker.schedule.before_training(step, worker.state.adapter_version)
     trajectories = [s.trajectory for s in groups]
 
-    # 3. advantages per prompt group, normalised over the whole step's batch (every worker's rewards)
-    rewards = _gather_rewards(groups)  # {group id: RewardScores}
+    # 3. advantages per prompt group, normalised over the whole step's batch (every worker's rewards: waiting for
+    # them is waiting for the slowest worker's groups, so it counts as the rollout's)
+    with timer("rollout"):
+        rewards = _gather_rewards(groups)  # {group id: RewardScores}
     adv_of, adv_metrics = step_advantages({g: r.total for g, r in rewards.items()}, std_mode=train.adv_std_mode,
                                           clip_max=train.adv_clip_max)
     advantages = [adv_of[traj.group_id] for traj in trajectories]
@@ -122,7 +129,8 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
     # 6. publish: groups started from now on sample the new adapter (on-policy: every replica serves it before any
     # worker asks for the next step's groups; pipelined: it travels while the next step's groups are collected)
     with timer("publish"):
-        worker.adapter = worker.policy.export_adapter(version=step + 1)  # gathers the LoRA only (a collective)
+        # gathers the LoRA only (a collective), in what it travels in (the replicas' dtype: they cast to it anyway)
+        worker.adapter = worker.policy.export_adapter(version=step + 1, dtype=worker.publish_dtype)
         lost_replicas += worker.schedule.publish(worker.adapter)
 
     # 7. metrics over every worker, and (rank 0's log) the step's images
@@ -243,8 +251,8 @@ def _report(worker: Worker, step: int, metrics: dict[str, float]) -> None:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint.save(tmp, policy=worker.policy, optimizer=worker.optimizer, state=worker.state, rank=worker.rank,
-                        adapter=worker.adapter.tensors)  # gathered for publication already
+        # the adapter as trained (fp32), gathered again: what was published may be in the replicas' dtype
+        checkpoint.save(tmp, policy=worker.policy, optimizer=worker.optimizer, state=worker.state, rank=worker.rank)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_dir_name=f"checkpoint_step_{step + 1:06d}")
 
@@ -275,7 +283,8 @@ def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> 
     if restored is not None:
         checkpoint.restore_optimizer(policy, optimizer, restored.optimizer)
         state = restored.state
-        adapter = policy.export_adapter(version=state.adapter_version) if state.adapter_version > 0 else None
+        adapter = (policy.export_adapter(version=state.adapter_version, dtype=getattr(torch, model.dtype))
+                   if state.adapter_version > 0 else None)
     schedule = rollout_schedule(config, rollout, load_prompts(config.data.prompts), rank=rank, world=world)
     worker = Worker(config=config, rank=rank, world=world, policy=policy, optimizer=optimizer, schedule=schedule,
                     state=state, adapter=adapter)

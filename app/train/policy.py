@@ -27,12 +27,8 @@ import torch.distributed as dist
 from app.algo.sde import SDEStepOutput
 from app.models.family import ModelFamily, get_family
 from app.models.lora import ADAPTER_NAME, transformer_key
+from app.train.gather import to_host
 from app.types import LoraAdapter, Trajectory
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank (a collective for an FSDP2 DTensor shard)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 class Policy:
@@ -132,21 +128,20 @@ class Policy:
         finally:
             self.transformer.enable_adapters()
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        """Full LoRA tensors in peft/diffusers naming (`<module>.lora_A.weight`), detached CPU copies. Gathers only
-        the adapter parameters; under FSDP2 every rank must call it."""
+    def adapter_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Full LoRA tensors in peft/diffusers naming (`<module>.lora_A.weight`), detached CPU copies (in `dtype` if
+        given: cast on the device, before the copy). Gathers only the adapter parameters; under FSDP2 every rank
+        must call it."""
         from peft import get_peft_model_state_dict
 
         params = [(name, p) for name, p in self.transformer.named_parameters() if f".{ADAPTER_NAME}." in name]
-        # every gather is queued before the first copy to the host: a copy waits for what precedes it, so copying
-        # each tensor as it was gathered made one round trip per tensor (1,440 at 20B: 3 s with 2 ranks)
-        full = [_full(p.detach()) for _, p in params]
-        lora = {name: tensor.to("cpu", copy=True) for (name, _), tensor in zip(params, full, strict=True)}
-        return get_peft_model_state_dict(self.transformer, state_dict=lora, adapter_name=ADAPTER_NAME)
+        return get_peft_model_state_dict(self.transformer, state_dict=to_host(params, dtype),
+                                         adapter_name=ADAPTER_NAME)
 
-    def export_adapter(self, version: int) -> LoraAdapter:
+    def export_adapter(self, version: int, dtype: torch.dtype | None = None) -> LoraAdapter:
+        """The adapter as the replicas load it (`dtype`: what it travels in, e.g. their compute dtype)."""
         config = self.transformer.peft_config[ADAPTER_NAME]
-        return LoraAdapter(self.adapter_state(), rank=config.r, alpha=config.lora_alpha,
+        return LoraAdapter(self.adapter_state(dtype), rank=config.r, alpha=config.lora_alpha,
                            target_modules=sorted(config.target_modules), version=version)
 
     def save_adapter(self, directory: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> Path:

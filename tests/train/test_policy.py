@@ -78,6 +78,9 @@ def test_adapter_exports_and_loads_in_diffusers(tiny_model_dir, adapter, rollout
     assert exported.tensors.keys() == adapter.tensors.keys()
     assert all(torch.equal(exported.tensors[k], adapter.tensors[k]) for k in adapter.tensors)
     assert not any("flowgrpo" in k or "base_layer" in k for k in exported.tensors)  # adapter tensors only
+    travelling = policy.export_adapter(version=7, dtype=torch.bfloat16)  # cast before the copy to the host
+    assert all(travelling.tensors[k].dtype == torch.bfloat16 for k in adapter.tensors)
+    assert all(torch.equal(travelling.tensors[k], adapter.tensors[k].to(torch.bfloat16)) for k in adapter.tensors)
 
     policy.save_adapter(tmp_path)
     loaded = load_adapter_tensors(tmp_path)
@@ -110,8 +113,9 @@ def fsdp_update(cfg: dict) -> None:
     surrogate(policy, cfg["traj"], [2 * rank, 2 * rank + 1]).backward()  # FSDP2 averages the two halves
     torch.optim.SGD(policy.parameters(), lr=cfg["lr"]).step()
     tensors = policy.export_adapter(version=2).tensors  # a collective: both ranks call it
+    travelling = policy.export_adapter(version=2, dtype=torch.bfloat16).tensors  # as it is published
     if rank == 0:
-        torch.save(tensors, cfg["out"])
+        torch.save({"tensors": tensors, "bf16": travelling}, cfg["out"])
     ray.train.report({})
 
 
@@ -131,7 +135,9 @@ def test_fsdp2_update_on_two_workers_matches_an_unsharded_float64_step(ray_clust
         torch_config=TorchConfig(backend="gloo"),
         run_config=ray.train.RunConfig(name="fsdp", storage_path=str(tmp_path)))
     trainer.fit()
-    sharded = torch.load(tmp_path / "sharded.pt")
+    saved = torch.load(tmp_path / "sharded.pt")
+    sharded = saved["tensors"]
+    assert all(torch.equal(saved["bf16"][k], sharded[k].to(torch.bfloat16)) for k in sharded)  # gathered alike
 
     reference = make_policy(tiny_model_dir, adapter, dtype=torch.float64)
     surrogate(reference, rollout, [0, 1, 2, 3]).backward()
