@@ -5,7 +5,7 @@
 # until that part is done) and packs what is done into $OUT/lanes.tgz, `collect` packs only. GPU figures: the
 # diffusers engine.
 # Once both lanes are done, `quad` runs on all four GPUs one after another (its own cluster).
-#   bash docs/perf/scale/gpu_lanes.sh start | wait 540 | collect
+#   bash docs/perf/scale/gpu_lanes.sh start [quad|learn4] | wait 540 [a|b|q] | collect
 # The lanes of a lease are this script's functions; git history has each lease's (docs/perf/scale/README.md).
 set -uo pipefail
 RES=/tmp/lanes; RUNS=docs/perf/scale/gpu_runs.sh
@@ -20,21 +20,18 @@ lane() {  # lane GPUS NAME PORT: the environment of one lane
 }
 # 4 GPUs, the per-GPU load of the 2-GPU runs: 4 groups (32 images) a step; 1 + 3 takes 3 (groups divide over ranks)
 QUAD=(train.max_staleness=1 train.groups_per_step=4)
-lane_a() {  # issue 34: the shared placement with the publication off the trainer's path
-  lane 0,1 a 8001
-  JOB_TIMEOUT=600 bash $RUNS job shared_k1 10 train.max_staleness=1 "${SHARED[@]}" cluster.serve_port=$PORT
-}
-lane_b() {  # beside it, the split
-  lane 2,3 b 8002
-  JOB_TIMEOUT=600 bash $RUNS job split_k1 10 train.max_staleness=1 cluster.serve_port=$PORT
-}
-quad() {  # issue 38: the placements of 4 GPUs, best predicted first
+lane_a() { :; }  # this lease: no 2-GPU lanes (the lease before ran shared_k1 here, split_k1 in lane b)
+lane_b() { :; }
+quad() {  # issue 38: what the lease before left, on all four GPUs, one after another
   until [ -f $RES/a.done -a -f $RES/b.done ]; do sleep 2; done
   lane 0,1,2,3 q 8003
+  for n in 2 4; do  # the LoRA's way out of 2 and 4 ranks: the one-collective gather against the per-tensor ones
+    timeout 300 torchrun --nproc_per_node=$n -m jobs.bench_export --repeats 5 2>&1 | grep '^{' >> $OUT/bench_export.jsonl
+  done
   JOB_TIMEOUT=480 bash $RUNS job q_2p2 10 "${QUAD[@]}" rollout.num_replicas=2 cluster.num_workers=2 \
     cluster.serve_port=$PORT
-  JOB_TIMEOUT=480 bash $RUNS job q_shared4 10 "${QUAD[@]}" rollout.num_replicas=4 rollout.replica_num_gpus=0.6 \
-    cluster.num_workers=4 cluster.worker_num_gpus=0.4 cluster.serve_port=$PORT
+  JOB_TIMEOUT=480 bash $RUNS job q_shared4_mor1 10 "${QUAD[@]}" rollout.num_replicas=4 rollout.replica_num_gpus=0.6 \
+    cluster.num_workers=4 cluster.worker_num_gpus=0.4 rollout.max_ongoing_requests=1 cluster.serve_port=$PORT
   JOB_TIMEOUT=480 bash $RUNS job q_3p1 10 "${QUAD[@]}" rollout.num_replicas=3 cluster.num_workers=1 \
     cluster.serve_port=$PORT
   JOB_TIMEOUT=480 bash $RUNS job q_1p3 10 "${QUAD[@]}" train.groups_per_step=3 rollout.num_replicas=1 \
@@ -42,9 +39,18 @@ quad() {  # issue 38: the placements of 4 GPUs, best predicted first
   JOB_TIMEOUT=480 bash $RUNS job q_eager_2p2 10 "${QUAD[@]}" rollout.num_replicas=2 cluster.num_workers=2 \
     model.compile.enabled=false train.old_logprob=rollout cluster.serve_port=$PORT
 }
+learn4() {  # the lease after: the learning check and the kill on the best 4-GPU placement (2 + 2 so far)
+  lane 0,1,2,3 q 8003
+  JOB_TIMEOUT=900 bash $RUNS job q_learn_lr3e-4 40 "${QUAD[@]}" "${LEARN[@]}" train.learning_rate=3e-4 \
+    rollout.num_replicas=2 cluster.num_workers=2 cluster.serve_port=$PORT
+  JOB_TIMEOUT=900 bash $RUNS job q_learn_lr0 40 "${QUAD[@]}" "${LEARN[@]}" train.learning_rate=0 \
+    rollout.num_replicas=2 cluster.num_workers=2 cluster.serve_port=$PORT
+  KILL_AT=3 JOB_TIMEOUT=600 bash $RUNS kill q_kill 6 "${QUAD[@]}" train.checkpoint_every=2 \
+    rollout.num_replicas=2 cluster.num_workers=2 cluster.serve_port=$PORT
+}
 pack() {  # logs, metrics, eval results and curves; no checkpoints, images or tensorboard
   (cd /tmp && tar czf $OUT/lanes.tgz --exclude=checkpoints --exclude=images --exclude=tensorboard \
-    --exclude='*.npz' --exclude=compile_cache lanes runs 2>/dev/null)
+    --exclude='*.npz' --exclude=compile_cache --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' lanes runs 2>/dev/null)
   for f in $RES/*/*.log; do echo "== $f"; grep "\[flowgrpo\] step\|exit\|rror" $f | tail -n 3; done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
 }
@@ -52,11 +58,12 @@ case "$1" in
   start) mkdir -p $RES; bash $RUNS build
          setsid bash $0 lane_a > $RES/lane_a.out 2>&1 < /dev/null &
          setsid bash $0 lane_b > $RES/lane_b.out 2>&1 < /dev/null &
-         setsid bash $0 quad > $RES/quad.out 2>&1 < /dev/null &
+         setsid bash $0 ${2:-quad} > $RES/quad.out 2>&1 < /dev/null &
          sleep 2; echo started ;;
   lane_a) lane_a; touch $RES/a.done ;;
   lane_b) lane_b; touch $RES/b.done ;;
   quad) quad; touch $RES/q.done ;;
+  learn4) learn4; touch $RES/q.done ;;
   wait) end=$((SECONDS + $2)); until [ -f $RES/${3:-q}.done ] || [ $SECONDS -ge $end ]; do sleep 5; done
         pack ;;
   collect) pack ;;
