@@ -119,12 +119,41 @@ def _started(engine, aio):
     aio(engine.close())
 
 
-@pytest.fixture(scope="session")
-def vllm_engine(tiny_model_dir, aio):
-    """The real vllm-omni engine (CPU platform here), started once per test session."""
-    from app.rollout.vllm_omni.engine import VllmOmniEngine
+class OneVllmEngine:
+    """vllm-omni keeps its model-parallel state in module globals: one engine lives in a process at a time. A module
+    asks for the engine of its model (`get`); the one alive for another model is closed first, so the modules that
+    use them may run in any order."""
 
-    yield from _started(VllmOmniEngine(tiny_model_dir), aio)
+    def __init__(self, aio):
+        self.aio, self.key, self.engine = aio, None, None
+
+    def get(self, path, family: str = "qwen_image"):
+        from app.rollout.vllm_omni.engine import VllmOmniEngine
+
+        if self.key != (str(path), family):
+            self.close()
+            engine = VllmOmniEngine(path, family=family)
+            self.aio(engine.start())
+            self.key, self.engine = (str(path), family), engine
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            engine, self.key, self.engine = self.engine, None, None
+            self.aio(engine.close())
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(aio):
+    registry = OneVllmEngine(aio)
+    yield registry
+    registry.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(vllm_engines, tiny_model_dir):
+    """The real vllm-omni engine of the tiny Qwen-Image (CPU platform here), kept while no other model needs one."""
+    return vllm_engines.get(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -50,6 +50,17 @@ def served(serve_url, tiny_model_dir, tiny_clip_dir, tiny_judge_dir):
     serve.delete(APP)
 
 
+@pytest.fixture
+def base_model(served):
+    """Every replica serves the base model when the test starts, and again when it ends (tests that publish must
+    not leave a version behind for the next one, whatever the order)."""
+    from app.rollout.client import publish_lora
+
+    asyncio.run(publish_lora(served["rollout"], served["adapters"], None))
+    yield
+    asyncio.run(publish_lora(served["rollout"], served["adapters"], None))
+
+
 def png_b64(image: np.ndarray) -> str:
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format="PNG")
@@ -62,7 +73,7 @@ def rendered(text: str) -> np.ndarray:
     return np.asarray(image)
 
 
-def test_http_generation_returns_decodable_images_and_trajectory(served):
+def test_http_generation_returns_decodable_images_and_trajectory(served, base_model):
     from safetensors.torch import load
 
     body = {"prompt": 'a sign that says "OPEN"', "n": 2, "seed": 3, "return_trajectory": True}
@@ -110,7 +121,7 @@ def test_groups_are_spread_over_both_replicas(served):
     assert [t.seed for t in trajs] == list(range(8))
 
 
-def test_publication_reaches_every_replica_and_changes_generations(served, tiny_model_dir):
+def test_publication_reaches_every_replica_and_changes_generations(served, tiny_model_dir, base_model):
     from diffusers import QwenImageTransformer2DModel
 
     from app.models.lora import random_lora
@@ -148,7 +159,8 @@ def test_publication_reaches_every_replica_and_changes_generations(served, tiny_
         assert torch.equal(t.latents, after[0].latents)  # every replica serves the same adapter
 
 
-def test_pipelined_groups_more_than_k_versions_behind_are_regenerated_never_trained_on(served, tiny_model_dir):
+def test_pipelined_groups_more_than_k_versions_behind_are_regenerated_never_trained_on(served, tiny_model_dir,
+                                                                                    base_model):
     """Pipelined training (`train.max_staleness: 1`) against the real replicas: groups requested with no version
     are sampled with the adapter the replicas have; two publications later the trainer (now at version 13) keeps
     the groups one version behind and generates those two behind again with its own adapter, by name."""
@@ -178,7 +190,8 @@ def test_pipelined_groups_more_than_k_versions_behind_are_regenerated_never_trai
         assert not torch.equal(kept.trajectory.latents, stale.trajectory.latents)
 
 
-def test_groups_asked_for_before_their_adapter_is_stored_wait_for_it_and_are_sampled_with_it(served, tiny_model_dir):
+def test_groups_asked_for_before_their_adapter_is_stored_wait_for_it_and_are_sampled_with_it(served, tiny_model_dir,
+                                                                                           base_model):
     """A pipelined rank asks for the next step's groups while rank 0 is still publishing the adapter they must use
     (`collect_ahead(after=v)`): nothing is generated before the adapter store holds version v, then every group is
     sampled with it, whether or not the broadcast had reached its replica; a version that never comes sends the
@@ -196,7 +209,6 @@ def test_groups_asked_for_before_their_adapter_is_stored_wait_for_it_and_are_sam
     unpinned = [TINY.request(f"a sign that says {i}", n=2, seed=40 + i, group_id=i) for i in range(4)]
     client = RolloutClient(served["rollout"], served["reward"], served["adapters"], retries=0)
     with BlockingRolloutClient(client) as blocking:
-        blocking.publish(None)  # whatever other tests published: the store counts from the base model again
         blocking.publish(adapters[31])
         ahead = blocking.collect_ahead(unpinned, after=32)
         time.sleep(1.0)
@@ -221,7 +233,7 @@ def test_a_request_for_a_version_nobody_has_is_refused_and_the_replica_keeps_ser
     assert ok.lora_version == published
 
 
-def test_a_replica_serve_starts_in_place_of_a_dead_one_serves_the_published_adapter(served, tiny_model_dir):
+def test_a_replica_serve_starts_in_place_of_a_dead_one_serves_the_published_adapter(served, tiny_model_dir, base_model):
     """Kill one Rollout replica for real (`ray.kill`); the replica Serve starts in its place loads the adapter
     store's adapter in its constructor: it reports the published version before it has served any request."""
     import time

@@ -25,15 +25,10 @@ def request(**changes) -> GenerationRequest:
 
 
 @pytest.fixture(scope="module")
-def sd3_vllm_engine(tiny_sd3_dir, aio):
-    """The real vllm-omni engine serving the tiny SD3 through our FlowGRPO SD3 pipeline; closed with the module (one
-    vllm-omni engine lives in a process at a time: its model-parallel state is global)."""
-    from app.rollout.vllm_omni.engine import VllmOmniEngine
-
-    engine = VllmOmniEngine(tiny_sd3_dir, family="sd3")
-    aio(engine.start())
-    yield engine
-    aio(engine.close())
+def sd3_vllm_engine(tiny_sd3_dir, vllm_engines):
+    """The real vllm-omni engine serving the tiny SD3 through our FlowGRPO SD3 pipeline (one vllm-omni engine lives in
+    a process at a time: `vllm_engines` closes another model's first)."""
+    return vllm_engines.get(tiny_sd3_dir, family="sd3")
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,8 @@ RECOMPUTE_BOUND = 5e-3  # largest measured: 1.8e-3 (an edit with CFG and a LoRA)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_bagel_dir, aio):
-    from app.rollout.vllm_omni.engine import VllmOmniEngine
-
-    engine = VllmOmniEngine(tiny_bagel_dir, family="bagel")
-    aio(engine.start())
-    yield engine
-    aio(engine.close())
+def engine(tiny_bagel_dir, vllm_engines):
+    return vllm_engines.get(tiny_bagel_dir, family="bagel")  # closes another model's vllm-omni engine first
 
 
 @pytest.fixture(scope="module")
