@@ -36,15 +36,14 @@ MLP = {"img_mlp.net.0.proj": (1, 4), "img_mlp.net.2": (4, 1), "txt_mlp.net.0.pro
 
 
 def recipe_shapes(layers: int, rank: int, dim: int = 3072) -> dict[str, tuple[int, int]]:
-    """{peft parameter name: shape} of the recipe's LoRA (A: [r, in], B: [out, r])."""
-    targets = {name: (1, 1) for name in ATTENTION} | MLP
-    shapes = {}
-    for layer in range(layers):
-        for target, (fan_in, fan_out) in targets.items():
-            stem = f"transformer_blocks.{layer}.{target}"
-            shapes[f"{stem}.lora_A.default.weight"] = (rank, dim * fan_in)
-            shapes[f"{stem}.lora_B.default.weight"] = (dim * fan_out, rank)
-    return shapes
+    """{tensor name: shape} of the recipe's LoRA (A: [r, in], B: [out, r]), as `Policy.export_adapter` names them."""
+    shapes = {f"attn.{t}": (dim, dim) for t in ATTENTION} | {t: (dim * i, dim * o) for t, (i, o) in MLP.items()}
+    out = {}
+    for block in range(layers):
+        for target, (fan_in, fan_out) in shapes.items():
+            out[f"transformer_blocks.{block}.{target}.lora_A.weight"] = (rank, fan_in)
+            out[f"transformer_blocks.{block}.{target}.lora_B.weight"] = (fan_out, rank)
+    return out
 
 
 def each(params, dtype):

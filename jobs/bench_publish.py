@@ -31,20 +31,13 @@ import torch
 
 from app.types import LoraAdapter, PackedLora
 from deployments.adapters import AdapterStore
+from jobs.bench_export import ATTENTION, MLP, recipe_shapes
 from jobs.report import emit_json_line
-
-ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-MLP = {"img_mlp.net.0.proj": (1, 4), "img_mlp.net.2": (4, 1), "txt_mlp.net.0.proj": (1, 4), "txt_mlp.net.2": (4, 1)}
 
 
 def recipe_adapter(layers: int, rank: int, dim: int = 3072) -> LoraAdapter:
     """Random LoRA tensors with the recipe's names and shapes (A: [r, in], B: [out, r]), fp32 as exported."""
-    shapes = {f"attn.{t}": (dim, dim) for t in ATTENTION} | {t: (dim * i, dim * o) for t, (i, o) in MLP.items()}
-    tensors = {}
-    for block in range(layers):
-        for target, (fan_in, fan_out) in shapes.items():
-            tensors[f"transformer_blocks.{block}.{target}.lora_A.weight"] = torch.randn(rank, fan_in) * 0.01
-            tensors[f"transformer_blocks.{block}.{target}.lora_B.weight"] = torch.randn(fan_out, rank) * 0.01
+    tensors = {name: torch.randn(shape) * 0.01 for name, shape in recipe_shapes(layers, rank, dim).items()}
     return LoraAdapter(tensors, rank=rank, alpha=2 * rank, target_modules=ATTENTION + list(MLP), version=1)
 
 

@@ -35,17 +35,16 @@ def gather_full(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -
     cast and padded to the same rows per rank, travel as one buffer (one DTensor gather per tensor was a
     collective launch each: 1,440 of them for a 20B model's LoRA). Every rank must call it."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    shards = {}
+    mesh, shards = None, {}  # the mesh of the first row shard; {index: (rows, rows per rank)} of those on it
     for k, tensor in enumerate(tensors):
         shard = _row_shard(tensor)
-        if shard is None or (shards and shard[0] is not next(iter(shards.values()))[0]):
+        if shard is None or (mesh is not None and shard[0] is not mesh):
             out[k] = full_tensor(tensor).to(dtype or tensor.dtype)
         else:
-            shards[k] = shard
+            mesh, shards[k] = shard[0], shard[1:]
     if shards:
-        mesh = next(iter(shards.values()))[0]
         pieces, sizes = [], []
-        for k, (_, _, chunk) in shards.items():
+        for k, (_, chunk) in shards.items():
             local = tensors[k].to_local().to(dtype or tensors[k].dtype).reshape(-1)
             size = chunk * math.prod(tensors[k].shape[1:])
             pieces += [local, local.new_zeros(size - local.numel())]  # padding: the rows this rank lacks
@@ -54,7 +53,7 @@ def gather_full(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -
         received = send.new_empty(mesh.size() * send.numel())
         dist.all_gather_into_tensor(received, send, group=mesh.get_group())
         by_rank, offset = received.view(mesh.size(), -1), 0
-        for (k, (_, rows, chunk)), size in zip(shards.items(), sizes, strict=True):
+        for (k, (rows, chunk)), size in zip(shards.items(), sizes, strict=True):
             shape = tensors[k].shape
             out[k] = by_rank[:, offset:offset + size].reshape(mesh.size() * chunk, *shape[1:])[:rows]
             offset += size

@@ -66,10 +66,10 @@ class Worker:
     evaluator: RunEvaluator | None = None  # rank 0, with evaluation on (eval.every, eval.before_train)
     compiled_frames: int = 0  # dynamo frames this process had compiled at the end of the last step
 
-    @property
-    def publish_dtype(self) -> torch.dtype:
-        """What adapters travel in: the replicas' compute dtype (they would cast to it anyway)."""
-        return getattr(torch, self.config.model.dtype)
+
+def replica_dtype(config: RunConfig) -> torch.dtype:
+    """What adapters travel in: the replicas' compute dtype (they would cast to it anyway)."""
+    return getattr(torch, config.model.dtype)
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -77,7 +77,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     "rollout", "reward", "adapters": DeploymentHandles of the application serving the rollouts and rewards}."""
     config = loop_config["config"]
     client = RolloutClient(loop_config["rollout"], loop_config["reward"], loop_config["adapters"],
-                           retries=config.rollout.request_retries, publish_dtype=getattr(torch, config.model.dtype))
+                           retries=config.rollout.request_retries, publish_dtype=replica_dtype(config))
     with BlockingRolloutClient(client) as rollout:
         worker = _setup(config, Path(loop_config["run_dir"]), rollout)
         try:
@@ -130,7 +130,7 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
     # worker asks for the next step's groups; pipelined: it travels while the next step's groups are collected)
     with timer("publish"):
         # gathers the LoRA only (a collective), in what it travels in (the replicas' dtype: they cast to it anyway)
-        worker.adapter = worker.policy.export_adapter(version=step + 1, dtype=worker.publish_dtype)
+        worker.adapter = worker.policy.export_adapter(version=step + 1, dtype=replica_dtype(worker.config))
         lost_replicas += worker.schedule.publish(worker.adapter)
 
     # 7. metrics over every worker, and (rank 0's log) the step's images
@@ -283,7 +283,7 @@ def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> 
     if restored is not None:
         checkpoint.restore_optimizer(policy, optimizer, restored.optimizer)
         state = restored.state
-        adapter = (policy.export_adapter(version=state.adapter_version, dtype=getattr(torch, model.dtype))
+        adapter = (policy.export_adapter(version=state.adapter_version, dtype=replica_dtype(config))
                    if state.adapter_version > 0 else None)
     schedule = rollout_schedule(config, rollout, load_prompts(config.data.prompts), rank=rank, world=world)
     worker = Worker(config=config, rank=rank, world=world, policy=policy, optimizer=optimizer, schedule=schedule,

@@ -8,7 +8,7 @@ transformer, BAGEL's Mixture-of-Transformers LLM, ...), frozen, with a peft LoRA
 - The reference policy is the same module with the adapter disabled (`with policy.reference():`), so the KL costs
   one extra forward and no second copy of the weights.
 - Under FSDP2 (`fully_shard` per transformer block, then the root) every rank holds a shard of every parameter;
-  `export_adapter` gathers only the LoRA parameters (`DTensor.full_tensor`), never the 20B base model.
+  `export_adapter` gathers only the LoRA parameters (`app.train.gather`: one all-gather), never the 20B base model.
   Every FSDP2 forward and gather is a collective: all ranks must make the same calls in the same order.
 
 No Ray and no config objects here: numbers and paths in, tensors out.
