@@ -1,7 +1,8 @@
 """OCR reward throughput of one reward replica by the CPUs it holds: images per second read by 1..N engines at
-once (`OcrReward(threads=k)`, what a replica of `reward.replica_num_cpus: k` runs), side by side in one process.
+once (`OcrReward(threads=k)`, what a replica of `reward.replica_num_cpus: k` runs), side by side in one process;
+with `--device cpu cuda`, each thread count with the networks on the CPUs (onnxruntime) and on the GPU (torch).
 
-    python -m jobs.bench_ocr [--threads 1 2 4] [--images 16] [--size 512]
+    python -m jobs.bench_ocr [--threads 1 2 4] [--images 16] [--size 512] [--device cpu cuda]
 
 The images are text rendered on noise at the rollout's size (the detector's work grows with it). Prints one JSON
 line: img/s per thread count (median of --repeats passes) and each one's speed-up over one engine.
@@ -38,24 +39,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=16)
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", nargs="+", default=["cpu"], choices=["cpu", "cuda"],
+                        help="where the networks run: cpu (onnxruntime), cuda (torch)")
     args = parser.parse_args(argv)
     images, prompts = sign_images(args.images, args.size)
     rates, scores = {}, {}
-    for threads in args.threads:
-        reward = OcrReward(threads=threads)
-        reward.score(images[:threads], prompts[:threads])  # warm-up: every engine has run once
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            scores[threads] = reward.score(images, prompts)
-            times.append(time.perf_counter() - start)
-        rates[threads] = args.images / statistics.median(times)
-    base = rates[args.threads[0]]
+    for device in args.device:
+        for threads in args.threads:
+            key = str(threads) if args.device == ["cpu"] else f"{device}/{threads}"
+            reward = OcrReward(threads=threads, device=device)
+            reward.score(images[:threads], prompts[:threads])  # warm-up: every engine has run once
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                scores[key] = reward.score(images, prompts)
+                times.append(time.perf_counter() - start)
+            rates[key] = args.images / statistics.median(times)
+    first = next(iter(rates))
     emit_json_line({"bench": "ocr", "images": args.images, "size": args.size,
-                    "images_per_s": {str(k): round(v, 2) for k, v in rates.items()},
-                    "speedup": {str(k): round(v / base, 2) for k, v in rates.items()},
-                    "same_scores": all(s == scores[args.threads[0]] for s in scores.values()),
-                    "mean_score": round(float(np.mean(scores[args.threads[0]])), 3)})
+                    "images_per_s": {k: round(v, 2) for k, v in rates.items()},
+                    "speedup": {k: round(v / rates[first], 2) for k, v in rates.items()},
+                    "same_scores": all(s == scores[first] for s in scores.values()),
+                    "mean_score": round(float(np.mean(scores[first])), 3)})
     return 0
 
 

@@ -4,7 +4,8 @@ As in flow_grpo's OCR reward (written from its description): target = the prompt
 both target and recognised text are normalised (spaces dropped, lower case);
 reward = 1 − min(Levenshtein(recognised, target), len(target)) / len(target), and 1.0 when the target appears
 in the recognised text. A prompt without quoted text scores 0. OCR: rapidocr's PP-OCR models, shipped inside
-its wheel (no download); edit distance: rapidfuzz.
+its wheel (no download), run by onnxruntime on CPUs or, in a process with a GPU, by torch on it
+(app/rewards/ocr_torch.py); edit distance: rapidfuzz.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def ocr_score(recognised: str, target: str) -> float:
     return 1.0 - min(Levenshtein.distance(recognised, target), len(target)) / len(target)
 
 
+def _default_device() -> str:
+    """The GPU when this process has one (a reward replica given a GPU share), else the CPUs."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 # RapidOCR's own default: an image whose shorter side is below it is enlarged to it before text detection
 DETECT_MIN_SIDE = 736
 
@@ -45,11 +53,13 @@ DETECT_MIN_SIDE = 736
 class OcrReward:
     name = "ocr"
 
-    def __init__(self, threads: int = 1, detect_min_side: int = DETECT_MIN_SIDE):
+    def __init__(self, threads: int = 1, detect_min_side: int = DETECT_MIN_SIDE, device: str | None = None):
         """`threads`: images read at once, each by its own single-threaded engine (a replica's CPUs: one
         engine's intra-op threads scale poorly on these small networks, separate engines nearly linearly).
         `detect_min_side`: the detector enlarges smaller images to this shorter side. A 64 px image enlarged to
-        736 costs 0.29 s of CPU instead of 0.004 s and reads the same text here: lower it for small images."""
+        736 costs 0.29 s of CPU instead of 0.004 s and reads the same text here: lower it for small images.
+        `device`: where the networks run: "cpu" (onnxruntime), "cuda" (torch, one copy shared by the engines,
+        whose threads then only resize, search boxes and decode), None: the GPU when this process has one."""
         from rapidocr import RapidOCR
 
         if detect_min_side < 32:
@@ -58,7 +68,16 @@ class OcrReward:
             raise ValueError(f"threads={threads}: at least one engine reads the images")
         params = {"EngineConfig.onnxruntime.intra_op_num_threads": 1,
                   "EngineConfig.onnxruntime.inter_op_num_threads": 1, "Det.limit_side_len": detect_min_side}
+        self.device = device or _default_device()
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device={device!r}: the OCR networks run on 'cpu' or 'cuda'")
         self._engines = [RapidOCR(params=params) for _ in range(threads)]
+        if self.device != "cpu":  # the GPU: rapidocr's own networks on torch, shared by every engine
+            from app.rewards.ocr_torch import torch_networks, use_torch
+
+            networks = torch_networks(self._engines[0], self.device)
+            for engine in self._engines:
+                use_torch(engine, networks, self.device)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ocr") if threads > 1 else None
 
     @staticmethod

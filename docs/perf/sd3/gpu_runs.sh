@@ -40,14 +40,17 @@ case "$1" in
         "${PATHS[@]}" "${extra[@]}" 2>"$OUT/$1_$mode.err" | tail -1 | tee -a "$OUT/bench_train_step.jsonl"
     done; tail -n 4 "$OUT"/$1_*.err ;;
   job_full|job_fast)  # jobs.train, the recipe on one GPU: s/step, img/s/GPU, effective MFU, first-pass ratio
+    # (job_fast STEPS [OVERRIDE ...]: overrides after the one-GPU placement; NAME= names the run's files)
     config=configs/sd35m_ocr.yaml; [ "$1" = job_fast ] && config=configs/sd35m_ocr_fast.yaml
     mode=("${COMPILED[@]}"); [ "${MODE:-compiled}" = eager ] && mode=("${EAGER[@]}")
+    name=${NAME:-$1}
     timeout ${JOB_TIMEOUT:-540} python -m jobs.train --config $config "${PATHS[@]}" "${ONE_GPU[@]}" \
-      "${mode[@]}" train.num_steps=${2:-8} logging.dir=/tmp/runs/$1 > "$OUT/$1.log" 2>&1
-    echo "exit $?"; cp /tmp/runs/$1/metrics.jsonl "$OUT/$1_metrics.jsonl"; tail -5 "$OUT/$1.log"
+      "${mode[@]}" train.num_steps=${2:-8} logging.dir=/tmp/runs/$name "${@:3}" > "$OUT/$name.log" 2>&1
+    echo "exit $?"; cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl"; cp /tmp/runs/$name/config.yaml "$OUT/${name}_config.yaml"
+    tail -5 "$OUT/$name.log"
     python -c "import json,sys
 for line in open(sys.argv[1]):
     m = json.loads(line); print({k: round(v, 4) for k, v in m.items() if k in ('step', 'timing/step_s', 'timing/rollout_s',
-        'timing/train_s', 'perf/images_per_s', 'perf/images_per_s_per_gpu', 'perf/mfu', 'perf/gpu_idle_share', 'actor/ratio_dev_first_pass_max', 'reward/mean') or k.startswith('compile/')})" \
-      "$OUT/$1_metrics.jsonl" ;;
+        'timing/train_s', 'perf/images_per_s', 'perf/images_per_s_per_gpu', 'perf/mfu', 'perf/gpu_idle_share', 'actor/ratio_dev_first_pass_max', 'reward/mean', 'timing/reward_wait_s_max', 'perf/reward_busy_s') or k.startswith('compile/')})" \
+      "$OUT/${name}_metrics.jsonl" ;;
 esac
