@@ -48,6 +48,9 @@ class RewardScorer:
             torch.set_num_threads(torch_threads)
         self.reward = build_reward(reward.weights, reward_options(reward, judge=judge))
         logging.getLogger("RapidOCR").setLevel(log_level)  # its own handler, INFO by default
+        self.devices = {name: str(term.device) for name, (term, _) in self.reward.rewards.items()
+                        if getattr(term, "device", None) is not None}
+        logging.getLogger(__name__).info("reward terms on: %s", self.devices or "the CPUs")
         self.scored = 0
 
     def _score_many(self, batches: list[tuple]) -> list[RewardScores]:
@@ -78,4 +81,4 @@ class RewardScorer:
         return result
 
     async def info(self) -> dict:
-        return {"weights": self.reward.weights, "scored": self.scored}
+        return {"weights": self.reward.weights, "scored": self.scored, "devices": self.devices}

@@ -249,7 +249,9 @@ def startup_summary(config: RunConfig, run_dir: Path, dashboard_url: str | None,
         f"{rollout.width}x{rollout.height}, {rollout.num_inference_steps} steps, noise level {rollout.noise_level:g}"
         + (f" on a {rollout.sde_window.placement} window of {rollout.sde_window.size} (the steps trained)"
            if rollout.sde_window.size else ""),
-        f"  reward:      {rewards} ({config.reward.num_replicas} replicas)",
+        f"  reward:      {rewards} ({config.reward.num_replicas} replicas"
+        + (f", {config.reward.replica_num_gpus:g} GPU each: the models and the OCR networks run there)"
+           if config.reward.replica_num_gpus else ")"),
         f"  training:    {cluster.num_workers} FSDP2 workers ({backend}); {train.num_steps} steps of "
         f"{train.groups_per_step} groups; LoRA rank {model.lora_rank}, lr {train.learning_rate:g}; a checkpoint "
         f"every {train.checkpoint_every or train.num_steps} steps; up to {train.max_failures} worker-group restarts",
