@@ -96,6 +96,10 @@ class CompileConfig:
     # worker, a replacement replica and --resume start warm; null: <logging.dir>/compile_cache for jobs.train,
     # torch's own (/tmp/torchinductor_<user>) elsewhere. Put it on shared storage on a multi-node cluster
     cache_dir: str | None = None
+    # Qwen-Image: the rotary embedding in real arithmetic in every process that compiles (inductor fuses it;
+    # diffusers' complex multiply runs as eager kernels inside the compiled blocks). The same numbers on the CPU to
+    # the last bit (app/models/qwen_image/rope.py); false: diffusers' own
+    real_rope: bool = True
 
 
 @dataclass

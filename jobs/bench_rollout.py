@@ -76,6 +76,7 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False) -
         "size": f"{ro.width}x{ro.height}", "steps": ro.num_inference_steps, "cfg": ro.guidance_scale,
         "dtype": str(config.model.dtype), "compiled": engine.compiled,
         "compile_mode": str(config.model.compile.mode) if engine.compiled else None,
+        "real_rope": bool(config.model.compile.real_rope) if engine.compiled else False,
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
         "compile_cache": cache_counts(),
         "batched_images_per_s": round(images / batched, 2),

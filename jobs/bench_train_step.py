@@ -3,7 +3,8 @@
     python -m jobs.bench_train_step --config configs/qwen_image_ocr_2gpu.yaml model.path=DIR [--groups 2]
     python -m jobs.bench_train_step --config configs/sd35m_ocr.yaml model.path=DIR data.prompts=ocr_tiny
 
-One process, one rank (a world of one: FSDP2 wraps the model as the Ray Train worker does), the run config's
+One process, one rank (a world of one: FSDP2 wraps the LoRA as the Ray Train worker does, the frozen base left as it
+is; `--shard-frozen`: FSDP2 manages the base too, as it does with several ranks), the run config's
 recipe: LoRA rank and targets, micro-batch, CFG, β·KL, gradient checkpointing. The batch is `--groups` groups of
 `rollout.group_size` sampled images in shape (the family's `shaped_trajectory`: random latents and prompt states,
 the cost does not depend on the values; `rollout.sde_window` places each group's window, whose steps are the ones
@@ -77,7 +78,7 @@ def kernel_time_by_kind(profiler) -> dict:
                              "calls": e.count} for e in top]}
 
 
-def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict:
+def bench(config, groups: int, repeats: int, profile: str | None = None, shard_frozen: bool = False) -> dict:
     cuda = torch.cuda.is_available()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
@@ -87,7 +88,7 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
     policy = Policy.from_pretrained(model.path, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
                                     target_modules=model.lora_targets, family=str(model.family),
                                     dtype=getattr(torch, model.dtype),
-                                    device=device, seed=train.seed, shard=True,
+                                    device=device, seed=train.seed, shard=True, shard_frozen=shard_frozen or None,
                                     gradient_checkpointing=train.gradient_checkpointing, compile=model.compile,
                                     activation_memory_budget=train.activation_memory_budget)
     optimizer = make_optimizer(policy, train)
@@ -149,6 +150,7 @@ def bench(config, groups: int, repeats: int, profile: str | None = None) -> dict
         "lora_rank": model.lora_rank, "lora_targets": len(model.lora_targets),
         "micro_batch_size": train.micro_batch_size, "gradient_checkpointing": train.gradient_checkpointing,
         "compiled": policy.compiled, "compile_mode": str(model.compile.mode) if policy.compiled else None,
+        "real_rope": bool(model.compile.real_rope) if policy.compiled else False, "shard_frozen": shard_frozen,
         "activation_memory_budget": train.activation_memory_budget, "old_logprob": str(train.old_logprob),
         "fused_optimizer": bool(optimizer.defaults.get("fused")),
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
@@ -166,9 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=2, help="prompt groups in the timed batch")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes (median reported)")
     parser.add_argument("--profile", help="write the GPU time by kind of kernel of one more pass to this JSON file")
+    parser.add_argument("--shard-frozen", action="store_true",
+                        help="FSDP2 manages the frozen base weights too (a world of one copies them at every "
+                             "forward: the wrapping before 2026-11-26, to compare against)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
-    emit_json_line(bench(load(args.config, args.overrides), args.groups, args.repeats, args.profile))
+    emit_json_line(bench(load(args.config, args.overrides), args.groups, args.repeats, args.profile,
+                         args.shard_frozen))
     return 0
 
 

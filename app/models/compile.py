@@ -91,6 +91,7 @@ def apply_compile(module: Any, family: Any, settings: Any) -> int:
     if settings is None or not settings.enabled:
         return 0
     use_cache_dir(settings.cache_dir)
+    family.prepare_compile(settings)
     checkpoint = bool(getattr(module, "gradient_checkpointing", False))
     if checkpoint:
         module.gradient_checkpointing = False  # the compiled blocks checkpoint themselves

@@ -103,6 +103,9 @@ class FamilyBase:
         """The deterministic tiny random checkpoint at `path` (kept when an identical build is there)."""
         return self.presets[self.tiny_preset].build(path, seed=seed)
 
+    def prepare_compile(self, settings) -> None:
+        """What the family changes in this process before its blocks compile (`model.compile` settings)."""
+
     def engine_class(self, engine: str) -> type:
         """The rollout engine class `engine` names for this family."""
         if engine not in self.engines:
@@ -182,6 +185,10 @@ class ModelFamily(Protocol):
     def compiled_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """The repeated blocks `torch.compile` compiles one by one (app/models/compile.py): the blocks that do
         the work, each a graph without data-dependent control flow."""
+
+    def prepare_compile(self, settings: Any) -> None:
+        """Set up this process for compiling the family's blocks with a `model.compile` section (Qwen-Image: the
+        rotary embedding in real arithmetic when `real_rope`)."""
 
     def score_trajectory(self, denoiser: torch.nn.Module, traj: Trajectory, steps: Sequence[int],
                          samples: Sequence[int], *, flow_grpo_compat: bool, uniform: bool) -> list[SDEStepOutput]:

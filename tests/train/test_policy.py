@@ -151,3 +151,47 @@ def test_fsdp2_update_on_two_workers_matches_an_unsharded_float64_step(ray_clust
         if ".lora_B." in key:
             assert scale > 1e3 * rounding, key  # the step moved the adapter measurably
         assert (step_fsdp - step_ref).abs().max().item() <= 1e-4 * scale + rounding, key
+
+
+def test_one_rank_keeps_the_frozen_base_as_it_is_and_computes_what_sharding_it_computes(tiny_model_dir, adapter,
+                                                                                      rollout):
+    """A world of one (the single-GPU trainer): FSDP2 manages only the LoRA, so the forward reads the base weights
+    where they are stored instead of a per-forward unsharded copy; the loss and every LoRA gradient are those of
+    FSDP2 managing the base too (bf16 compute, as on the GPU)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    owned = not dist.is_initialized()  # the in-process vllm-omni engine may have started a world of one already
+    if owned:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = "29533"
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
+    try:
+        runs = {}
+        for shard_frozen in (False, True):
+            policy = Policy.from_pretrained(tiny_model_dir, lora_rank=4, lora_alpha=4, target_modules=TARGETS,
+                                            adapter_tensors=adapter.tensors, dtype=torch.bfloat16, shard=True,
+                                            shard_frozen=shard_frozen)
+            to_q = policy.transformer.transformer_blocks[0].attn.to_q
+            used = []
+            hook = to_q.base_layer.register_forward_pre_hook(lambda m, _, used=used: used.append(m.weight.data_ptr()))
+            loss = surrogate(policy, rollout, [0, 1, 2, 3])
+            loss.backward()
+            hook.remove()
+            stored = to_q.base_layer.weight
+            assert isinstance(stored, DTensor) == shard_frozen
+            assert all(isinstance(p, DTensor) for p in policy.parameters())  # the LoRA: FSDP2's either way
+            local = stored.to_local() if isinstance(stored, DTensor) else stored
+            assert (used[0] == local.data_ptr()) == (not shard_frozen)  # no copy when the base is left alone
+            runs[shard_frozen] = (loss.detach(), {n: p.grad.full_tensor() for n, p in
+                                                  policy.transformer.named_parameters() if p.grad is not None})
+        (loss_a, grads_a), (loss_b, grads_b) = runs[False], runs[True]
+        assert torch.equal(loss_a, loss_b)
+        assert grads_a.keys() == grads_b.keys() and len(grads_a) > 0
+        assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+    finally:
+        if owned:
+            dist.destroy_process_group()

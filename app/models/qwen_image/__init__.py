@@ -36,6 +36,11 @@ class QwenImage(DiffusersFamily):
 
         return prompt_fields_checker(problem)
 
+    def prepare_compile(self, settings):
+        from app.models.qwen_image.rope import use_real_rope
+
+        use_real_rope(bool(getattr(settings, "real_rope", True)))
+
     def vllm_omni_guidance(self, request):
         return {"true_cfg_scale": request.guidance_scale}, {}
 

@@ -1,0 +1,51 @@
+"""Qwen-Image's rotary embedding in real arithmetic, so that inductor fuses it into the compiled blocks.
+
+diffusers rotates each interleaved pair (x[2k], x[2k+1]) of a query or key by the complex number freqs[s, k]
+(`apply_rotary_emb_qwen(use_real=False)`: x viewed as complex, multiplied, viewed back). Inductor generates no code
+for complex tensors and runs that multiply as eager kernels between the fused ones. The same rotation in reals,
+
+    out[2k]   = a·c − b·d        out[2k+1] = b·c + a·d        (a, b) = x's pair, (c, d) = (Re, Im) of freqs[s, k]
+
+with c and d read from diffusers' own table (not recomputed as cos and sin of the angle, which would round
+differently), in float32 as diffusers computes it, is the complex product to the last bit on the CPU (each output
+is one product minus or plus another: `a·c + (−b)·d` is `a·c − b·d` in IEEE arithmetic). vllm-omni rotates in reals
+already (its `RotaryEmbedding`, interleaved), so the rollout engines are unaffected.
+
+diffusers picks the rotation per device type from `ROPE_PER_DEVICE` at every attention call; `use_real_rope`
+points the CPU and CUDA entries at this function (or back at diffusers' own) for every Qwen-Image transformer of
+the process: the trainer and the in-process engines each call it with their `model.compile` section.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_rope_real(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] rotated pairwise by freqs [S, D/2] (complex), computed in float32, returned in x's dtype."""
+    cos = freqs.real.repeat_interleave(2, dim=-1).unsqueeze(1)  # [S, 1, D]: pair k's entries share freqs[s, k]
+    sin = freqs.imag.repeat_interleave(2, dim=-1).unsqueeze(1)
+    x32 = x.float()
+    a, b = x32.unflatten(-1, (-1, 2)).unbind(-1)  # the pairs' even and odd entries, [B, S, H, D/2]
+    rotated = torch.stack([-b, a], dim=-1).flatten(-2)  # (−b, a): x times i
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def use_real_rope(on: bool = True) -> None:
+    """Every Qwen-Image attention of this process rotates with `apply_rope_real` (on) or diffusers' complex
+    multiply (off) on the CPU and on CUDA."""
+    import functools
+
+    from diffusers.models.transformers import transformer_qwenimage as qwen
+
+    if on:
+        qwen.ROPE_PER_DEVICE["cuda"] = qwen.ROPE_PER_DEVICE["cpu"] = apply_rope_real
+    else:
+        qwen.ROPE_PER_DEVICE["cuda"] = functools.partial(qwen.apply_rotary_emb_qwen, use_real=False)
+        qwen.ROPE_PER_DEVICE.pop("cpu", None)  # diffusers' default for any device it does not list
+
+
+def real_rope_in_use() -> bool:
+    from diffusers.models.transformers import transformer_qwenimage as qwen
+
+    return qwen.ROPE_PER_DEVICE.get("cuda") is apply_rope_real
