@@ -14,9 +14,12 @@ from app.models.qwen_image.rope import apply_rope_real, real_rope_in_use, use_re
 def diffusers_rope_restored():
     """Whatever a test switches, the process gets diffusers' table back as it was."""
     saved = dict(qwen.ROPE_PER_DEVICE)
+    forwards = {cls: cls.forward for cls in (qwen.QwenEmbedRope, qwen.QwenEmbedLayer3DRope)}
     yield
     qwen.ROPE_PER_DEVICE.clear()
     qwen.ROPE_PER_DEVICE.update(saved)
+    for cls, forward in forwards.items():
+        cls.forward = forward
 
 
 def tables():
@@ -43,6 +46,7 @@ def test_real_rotation_is_diffusers_complex_one_to_the_last_bit(dtype):
         real = apply_rope_real(x, freqs)
         assert real.dtype == dtype
         assert torch.equal(real, qwen.apply_rotary_emb_qwen(x, freqs, use_real=False))
+        assert torch.equal(apply_rope_real(x, torch.view_as_real(freqs)), real)  # the table as the blocks get it
 
 
 def test_real_rotation_against_float64():
@@ -74,8 +78,14 @@ def test_a_transformer_with_the_real_rotation_gives_the_same_output(tiny_model_d
         use_real_rope(False)
         complex_out = model(**inputs)[0]
         use_real_rope(True)
+        use_real_rope(True)  # twice: still one layer of conversion
         assert real_rope_in_use()
+        tables = model.pos_embed([(1, 4, 4)], max_txt_seq_len=7, device=torch.device("cpu"))
+        assert not any(t.is_complex() for t in tables)  # nothing complex reaches the blocks
         real_out = model(**inputs)[0]
+        use_real_rope(False)
+        assert all(t.is_complex() for t in model.pos_embed([(1, 4, 4)], max_txt_seq_len=7,
+                                                           device=torch.device("cpu")))
     assert torch.equal(real_out, complex_out)
 
 

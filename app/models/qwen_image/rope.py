@@ -12,32 +12,50 @@ is one product minus or plus another: `a·c + (−b)·d` is `a·c − b·d` in I
 already (its `RotaryEmbedding`, interleaved), so the rollout engines are unaffected.
 
 diffusers picks the rotation per device type from `ROPE_PER_DEVICE` at every attention call; `use_real_rope`
-points the CPU and CUDA entries at this function (or back at diffusers' own) for every Qwen-Image transformer of
-the process: the trainer and the in-process engines each call it with their `model.compile` section.
+points the CPU and CUDA entries at this function (or back at diffusers' own), and has the rope modules (outside
+the compiled blocks) hand their tables on as real views, for every Qwen-Image transformer of the process: the
+trainer and the in-process engines each call it with their `model.compile` section.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 
 def apply_rope_real(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D] rotated pairwise by freqs [S, D/2] (complex), computed in float32, returned in x's dtype."""
-    cos = freqs.real.repeat_interleave(2, dim=-1).unsqueeze(1)  # [S, 1, D]: pair k's entries share freqs[s, k]
-    sin = freqs.imag.repeat_interleave(2, dim=-1).unsqueeze(1)
+    """x [B, S, H, D] rotated pairwise by freqs [S, D/2] (complex, or its `view_as_real` [S, D/2, 2]), computed in
+    float32, returned in x's dtype."""
+    if freqs.is_complex():
+        freqs = torch.view_as_real(freqs)
+    cos = freqs[..., 0].repeat_interleave(2, dim=-1).unsqueeze(1)  # [S, 1, D]: pair k's entries share freqs[s, k]
+    sin = freqs[..., 1].repeat_interleave(2, dim=-1).unsqueeze(1)
     x32 = x.float()
     a, b = x32.unflatten(-1, (-1, 2)).unbind(-1)  # the pairs' even and odd entries, [B, S, H, D/2]
     rotated = torch.stack([-b, a], dim=-1).flatten(-2)  # (−b, a): x times i
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
+def _real_tables(forward):
+    """A rope module's forward that hands its complex tables on as real views (`view_as_real`), so that no complex
+    tensor enters a compiled block (inductor would run whatever touches it eagerly)."""
+    @functools.wraps(forward)
+    def real_forward(self, *args, **kwargs):
+        return tuple(torch.view_as_real(f) if f.is_complex() else f for f in forward(self, *args, **kwargs))
+
+    real_forward.complex_forward = forward
+    return real_forward
+
+
 def use_real_rope(on: bool = True) -> None:
     """Every Qwen-Image attention of this process rotates with `apply_rope_real` (on) or diffusers' complex
-    multiply (off) on the CPU and on CUDA."""
-    import functools
-
+    multiply (off) on the CPU and on CUDA; with it on, the rope modules hand on real tables."""
     from diffusers.models.transformers import transformer_qwenimage as qwen
 
+    for cls in (qwen.QwenEmbedRope, qwen.QwenEmbedLayer3DRope):
+        complex_forward = getattr(cls.forward, "complex_forward", cls.forward)
+        cls.forward = _real_tables(complex_forward) if on else complex_forward
     if on:
         qwen.ROPE_PER_DEVICE["cuda"] = qwen.ROPE_PER_DEVICE["cpu"] = apply_rope_real
     else:
@@ -48,4 +66,5 @@ def use_real_rope(on: bool = True) -> None:
 def real_rope_in_use() -> bool:
     from diffusers.models.transformers import transformer_qwenimage as qwen
 
-    return qwen.ROPE_PER_DEVICE.get("cuda") is apply_rope_real
+    return qwen.ROPE_PER_DEVICE.get("cuda") is apply_rope_real and hasattr(qwen.QwenEmbedRope.forward,
+                                                                          "complex_forward")

@@ -1,0 +1,35 @@
+#!/bin/bash
+# Issue 36's levers side by side on one lent GPU: the Qwen-Image trainer and rollout benches before and after, one
+# device call per stage, back to back (the machine keeps /tmp only while calls follow each other). In the project
+# root with the device wheels installed and PYTHONPATH set:
+#   bash docs/perf/kernels/gpu_runs.sh setup | train_step VARIANT | rollout
+# VARIANT: before (FSDP2 copies the frozen base, diffusers' complex RoPE: the code of 2026-11-25), after (today's
+# defaults), budget (after, with compile's activation memory budget instead of whole-block recomputation).
+# The GPU image has no vllm: the rollout bench runs the diffusers engine.
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+MODEL=/tmp/qwen-image-full
+CACHE=/tmp/compile_cache
+CFG=configs/qwen_image_ocr_2gpu.yaml
+BEFORE=(--shard-frozen model.compile.real_rope=false)
+BUDGET=(train.gradient_checkpointing=false train.activation_memory_budget=${BUDGET:-0.5})
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+case "$1" in
+  setup)  # the real-size random Qwen-Image (60 blocks, 20.4B, bf16)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+    python -m jobs.make_tiny_models --preset qwen-image-full --out $MODEL 2>&1 | tail -1 ;;
+  train_step)  # 2 groups of 8 at 512², CFG 4, 2 of 10 steps trained (the config's recipe), compiled
+    extra=(); [ $2 = before ] && extra=("${BEFORE[@]}"); [ $2 = budget ] && extra=("${BUDGET[@]}")
+    timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_train_step --config $CFG --groups 2 --repeats 3 \
+      --profile "$OUT/profile_train_$2.json" model.path=$MODEL model.compile.cache_dir=$CACHE "${extra[@]}" \
+      2>"$OUT/train_step_$2.err" | tail -1 | sed "s/^{/{\"variant\": \"$2\", /" | tee -a "$OUT/bench_train_step.jsonl"
+    tail -n 3 "$OUT/train_step_$2.err" ;;
+  rollout)  # a group of 8 at 512², CFG 4, 10 steps, compiled: complex RoPE, then real
+    for rope in false true; do
+      timeout ${BENCH_TIMEOUT:-280} python -m jobs.bench_rollout --config $CFG --groups 2 --repeats 3 --batched-only \
+        model.path=$MODEL model.compile.cache_dir=$CACHE model.compile.real_rope=$rope 2>"$OUT/rollout_$rope.err" \
+        | tail -1 | tee -a "$OUT/bench_rollout.jsonl"
+      tail -n 2 "$OUT/rollout_$rope.err"
+    done ;;
+esac
