@@ -12,9 +12,11 @@ from app.models.qwen_image.rope import apply_rope_real, real_rope_in_use, use_re
 
 @pytest.fixture(autouse=True)
 def diffusers_rope_restored():
-    """Whatever a test switches, the process gets diffusers' table back as it was."""
+    """Each test starts from diffusers' own rotation (a compiled test earlier in the process switches it), and the
+    process gets back what it had."""
     saved = dict(qwen.ROPE_PER_DEVICE)
     forwards = {cls: cls.forward for cls in (qwen.QwenEmbedRope, qwen.QwenEmbedLayer3DRope)}
+    use_real_rope(False)
     yield
     qwen.ROPE_PER_DEVICE.clear()
     qwen.ROPE_PER_DEVICE.update(saved)
