@@ -29,12 +29,9 @@ def apply_rope_real(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     float32, returned in x's dtype."""
     if freqs.is_complex():
         freqs = torch.view_as_real(freqs)
-    cos = freqs[..., 0].repeat_interleave(2, dim=-1).unsqueeze(1)  # [S, 1, D]: pair k's entries share freqs[s, k]
-    sin = freqs[..., 1].repeat_interleave(2, dim=-1).unsqueeze(1)
-    x32 = x.float()
-    a, b = x32.unflatten(-1, (-1, 2)).unbind(-1)  # the pairs' even and odd entries, [B, S, H, D/2]
-    rotated = torch.stack([-b, a], dim=-1).flatten(-2)  # (−b, a): x times i
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    c, d = freqs[:, None, :, 0], freqs[:, None, :, 1]  # [S, 1, D/2]: broadcast over heads
+    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # the pairs' even and odd entries, [B, S, H, D/2]
+    return torch.stack([a * c - b * d, b * c + a * d], dim=-1).flatten(-2).to(x.dtype)
 
 
 def _real_tables(forward):
