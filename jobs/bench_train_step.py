@@ -36,7 +36,7 @@ from app.algo.timesteps import trained_steps
 from app.config import load
 from app.flops import group_flops, mfu
 from app.metrics import Stats
-from app.models.compile import cache_counts, compile_counts
+from app.models.compile import cache_counts, compile_counts, compile_seconds
 from app.train.policy import Policy
 from app.train.update import make_optimizer, recompute_log_probs, train_pass
 from app.types import Trajectory
@@ -154,7 +154,7 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
         "activation_memory_budget": train.activation_memory_budget, "old_logprob": str(train.old_logprob),
         "fused_optimizer": bool(optimizer.defaults.get("fused")),
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
-        "compile_cache": cache_counts(),
+        "compile_cache": cache_counts(), "compile_seconds": compile_seconds(),
         "ratio_dev_first_pass_max": stats.result().get("actor/ratio_dev_first_pass_max"),
         "pass_s": round(seconds, 3), "ms_per_image_step": round(1000 * seconds / (images * trained), 1),
         "useful_tflops": round(useful / seconds / 1e12, 1), "mfu": round(mfu(useful, seconds, 1), 4) if cuda else None,

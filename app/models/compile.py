@@ -117,3 +117,14 @@ def cache_counts() -> dict[str, int]:
             "fx_misses": int(counters["inductor"]["fxgraph_cache_miss"]),
             "aot_hits": int(counters["aot_autograd"]["autograd_cache_hit"]),
             "aot_misses": int(counters["aot_autograd"]["autograd_cache_miss"])}
+
+
+def compile_seconds(top: int = 8) -> dict[str, float]:
+    """Where this process's compilation time went: dynamo's own phase timers (seconds summed over every
+    compilation), the `top` largest. `_compile.compile_inner` is the whole of dynamo's part, inductor's code
+    generation is `GraphLowering.compile_to_module`, waiting for kernels to build is `async_compile.wait`."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    totals = {name: round(sum(times), 1) for name, times in compilation_time_metrics.items()}
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])
+

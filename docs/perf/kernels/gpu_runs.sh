@@ -2,7 +2,7 @@
 # Issue 36's levers side by side on one lent GPU: the Qwen-Image trainer and rollout benches before and after, one
 # device call per stage, back to back (the machine keeps /tmp only while calls follow each other). In the project
 # root with the device wheels installed and PYTHONPATH set:
-#   bash docs/perf/kernels/gpu_runs.sh setup | train_step VARIANT | rollout
+#   bash docs/perf/kernels/gpu_runs.sh setup | train_step VARIANT | rollout | cache
 # VARIANT: before (FSDP2 copies the frozen base, diffusers' complex RoPE: the code of 2026-11-25), after (today's
 # defaults), budget (after, with compile's activation memory budget instead of whole-block recomputation).
 # The GPU image has no vllm: the rollout bench runs the diffusers engine.
@@ -25,6 +25,17 @@ case "$1" in
       --profile "$OUT/profile_train_$2.json" model.path=$MODEL model.compile.cache_dir=$CACHE "${extra[@]}" \
       2>"$OUT/train_step_$2.err" | tail -1 | sed "s/^{/{\"variant\": \"$2\", /" | tee -a "$OUT/bench_train_step.jsonl"
     tail -n 3 "$OUT/train_step_$2.err" ;;
+  cache)  # the first compiled pass cold, then in a new process given a copy of that cache at another path (what a
+    # fresh machine sees when the folder is carried to it); the folder comes back for a later lease's check
+    rm -rf /tmp/ccA /tmp/ccB /tmp/torchinductor_* ~/.triton ~/.cache/triton
+    for run in cold warm_copied; do
+      dir=/tmp/ccA; [ $run = warm_copied ] && { cp -r /tmp/ccA /tmp/ccB; rm -rf /tmp/torchinductor_* ~/.triton; dir=/tmp/ccB; }
+      timeout ${BENCH_TIMEOUT:-400} python -m jobs.bench_train_step --config $CFG --groups 2 --repeats 2 \
+        model.path=$MODEL model.compile.cache_dir=$dir 2>"$OUT/cache_$run.err" | tail -1 \
+        | sed "s/^{/{\"variant\": \"$run\", /" | tee -a "$OUT/bench_cache.jsonl"
+      tail -n 2 "$OUT/cache_$run.err"
+    done
+    du -sh /tmp/ccA; tar czf "$OUT/compile_cache_qwen_image_train.tgz" -C /tmp ccA; ls -la "$OUT"/*.tgz ;;
   rollout)  # a group of 8 at 512², CFG 4, 10 steps, compiled: complex RoPE, then real
     for rope in false true; do
       timeout ${BENCH_TIMEOUT:-280} python -m jobs.bench_rollout --config $CFG --groups 2 --repeats 3 --batched-only \
