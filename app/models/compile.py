@@ -71,6 +71,9 @@ def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: st
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # a block's float attributes (a norm's eps) as constants: traced as symbols under dynamic=True, they fail a
+    # later pass that then restarts the whole analysis, so every first compilation ran twice (half a cold start)
+    torch._dynamo.config.specialize_float = True
     mode = None if mode in (None, "default") else str(mode)
     compiled = torch.compile(_checkpointed_forward if checkpoint else _forward, backend=str(backend), mode=mode,
                              dynamic=True)
