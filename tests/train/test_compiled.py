@@ -15,6 +15,7 @@ both agree here, so the exactness that matters there is checked on the GPU (test
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
@@ -130,17 +131,18 @@ def test_nothing_compiles_again_after_the_first_groups(compiled, tiny_model_dir,
 
 def test_a_new_process_compiles_from_the_shared_cache(tiny_model_dir, tmp_path):
     """A process samples a group with a compiled engine and trains a compiled policy on it; a second one, the same
-    work with the same cache folder (a restarted worker, a replacement replica), takes every inductor graph from
-    the cache: hits and no misses. Both are fresh interpreters: this test process has imported vllm, whose settings
-    change inductor's cache keys."""
+    work given a copy of that cache folder at another path (a restarted worker, a replacement replica, a fresh
+    machine the folder was carried to), takes every inductor graph and every AOTAutograd pair from the cache: hits
+    and no misses (a compilation that restarts its analysis misses once more). Both are fresh interpreters: this
+    test process has imported vllm, whose settings change inductor's cache keys."""
     script = f"""
-import json, torch
+import json, sys, torch
 torch.set_num_threads(1)  # as the test processes: inductor's CPU kernels depend on the thread count
 from app.config import CompileConfig
 from app.models.compile import cache_counts
 from tests.train.test_compiled import ROLLOUT, FIRST, _adapter, _pass, _policy
 from app.rollout.diffusers_engine import DiffusersEngine
-settings = CompileConfig(enabled=True, cache_dir={str(tmp_path / "compile_cache")!r})
+settings = CompileConfig(enabled=True, cache_dir=sys.argv[1])
 adapter = _adapter({str(tiny_model_dir)!r}, 1, seed=11)
 engine = DiffusersEngine({str(tiny_model_dir)!r}, compile=settings)
 engine.load()
@@ -149,15 +151,18 @@ traj = engine.sample(ROLLOUT.request(FIRST, seed=5, group_id=0))
 stats, _, _ = _pass(_policy({str(tiny_model_dir)!r}, adapter, compile=settings), traj)
 counts = cache_counts()
 print(json.dumps({{"hit": counts["fx_hits"], "miss": counts["fx_misses"], "aot_hit": counts["aot_hits"],
-                  "ratio": stats["actor/ratio_dev_first_pass_max"]}}))
+                  "aot_miss": counts["aot_misses"], "ratio": stats["actor/ratio_dev_first_pass_max"]}}))
 """
     results = []
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    for cache in ("compile_cache", "carried/compile_cache"):
+        if cache != "compile_cache":
+            shutil.copytree(tmp_path / "compile_cache", tmp_path / cache)
+        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / cache)], capture_output=True, text=True,
+                             timeout=900)
         assert out.returncode == 0, out.stderr[-3000:]
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     cold, warm = results
     assert cold["miss"] >= 3, cold  # engine forward; policy forward, backward, reference
     assert warm["hit"] >= cold["miss"] and warm["miss"] == 0, warm
-    assert cold["aot_hit"] == 0 and warm["aot_hit"] >= 1, (cold, warm)  # AOTAutograd's pairs come back too
+    assert cold["aot_hit"] == 0 and warm["aot_hit"] >= 1 and warm["aot_miss"] == 0, (cold, warm)
     assert cold["ratio"] == warm["ratio"] == 0.0
