@@ -81,7 +81,10 @@ def kernel_time_by_kind(profiler) -> dict:
 def bench(config, groups: int, repeats: int, profile: str | None = None, shard_frozen: bool = False) -> dict:
     cuda = torch.cuda.is_available()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    if "MASTER_PORT" not in os.environ:  # a free one: a fixed port can be taken by another process (Ray's)
+        from torch.distributed.elastic.utils.distributed import get_free_port
+
+        os.environ["MASTER_PORT"] = str(get_free_port())
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     model, rollout, train = config.model, config.rollout, config.train

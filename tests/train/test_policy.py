@@ -154,19 +154,18 @@ def test_fsdp2_update_on_two_workers_matches_an_unsharded_float64_step(ray_clust
 
 
 def test_one_rank_keeps_the_frozen_base_as_it_is_and_computes_what_sharding_it_computes(tiny_model_dir, adapter,
-                                                                                      rollout):
+                                                                                      rollout, monkeypatch):
     """A world of one (the single-GPU trainer): FSDP2 manages only the LoRA, so the forward reads the base weights
     where they are stored instead of a per-forward unsharded copy; the loss and every LoRA gradient are those of
     FSDP2 managing the base too (bf16 compute, as on the GPU)."""
-    import os
-
     import torch.distributed as dist
+    from torch.distributed.elastic.utils.distributed import get_free_port
     from torch.distributed.tensor import DTensor
 
     owned = not dist.is_initialized()  # the in-process vllm-omni engine may have started a world of one already
     if owned:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = "29533"
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(get_free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     assert dist.get_world_size() == 1
     try:
