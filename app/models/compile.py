@@ -130,4 +130,3 @@ def compile_seconds(top: int = 8) -> dict[str, float]:
 
     totals = {name: round(sum(times), 1) for name, times in compilation_time_metrics.items()}
     return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])
-

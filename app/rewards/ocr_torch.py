@@ -74,20 +74,20 @@ class TorchSession:
     output out), run by a torch module on `device`. The dictionary lookups rapidocr makes at construction stay with
     the onnxruntime session it replaces (`original`). Safe to call from several threads: inference keeps no state."""
 
-    def __init__(self, network, device, original=None):
+    def __init__(self, network, device, original):
         self.network, self.device, self.original = network, device, original
 
     def __call__(self, batch: np.ndarray) -> np.ndarray:
         import torch
 
         with torch.inference_mode():
-            out = self.network(torch.from_numpy(np.ascontiguousarray(batch)).to(self.device, non_blocking=False))
+            out = self.network(torch.from_numpy(np.ascontiguousarray(batch)).to(self.device))
         if isinstance(out, (tuple, list)):
             out = out[0]
         return out.float().cpu().numpy()
 
     def __getattr__(self, name):  # have_key, get_character_list, ...: the original session's
-        if self.original is None:
+        if name == "original":  # not set yet (a copy being built): no lookup through it
             raise AttributeError(name)
         return getattr(self.original, name)
 

@@ -7,7 +7,7 @@ from diffusers.models.transformers import transformer_qwenimage as qwen
 
 from app.config import CompileConfig
 from app.models.family import get_family
-from app.models.qwen_image.rope import apply_rope_real, real_rope_in_use, use_real_rope
+from app.models.qwen_image.rope import apply_rope_real, use_real_rope
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +22,11 @@ def diffusers_rope_restored():
     qwen.ROPE_PER_DEVICE.update(saved)
     for cls, forward in forwards.items():
         cls.forward = forward
+
+
+def real_rope_in_use() -> bool:
+    return qwen.ROPE_PER_DEVICE.get("cuda") is apply_rope_real and hasattr(qwen.QwenEmbedRope.forward,
+                                                                          "complex_forward")
 
 
 def tables():

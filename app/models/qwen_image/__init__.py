@@ -39,7 +39,7 @@ class QwenImage(DiffusersFamily):
     def prepare_compile(self, settings):
         from app.models.qwen_image.rope import use_real_rope
 
-        use_real_rope(bool(getattr(settings, "real_rope", True)))
+        use_real_rope(settings.real_rope)
 
     def vllm_omni_guidance(self, request):
         return {"true_cfg_scale": request.guidance_scale}, {}

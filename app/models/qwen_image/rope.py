@@ -59,9 +59,3 @@ def use_real_rope(on: bool = True) -> None:
         qwen.ROPE_PER_DEVICE["cuda"] = functools.partial(qwen.apply_rotary_emb_qwen, use_real=False)
         qwen.ROPE_PER_DEVICE.pop("cpu", None)  # diffusers' default for any device it does not list
 
-
-def real_rope_in_use() -> bool:
-    from diffusers.models.transformers import transformer_qwenimage as qwen
-
-    return qwen.ROPE_PER_DEVICE.get("cuda") is apply_rope_real and hasattr(qwen.QwenEmbedRope.forward,
-                                                                          "complex_forward")
