@@ -68,6 +68,8 @@ class OldLogprob(StrEnum):
     trainer = "trainer"  # the training forward's own, on the first pass (free; exact under torch.compile)
 
 
+# where a rollout engine that folds the LoRA into its weights keeps the base weights' copy
+MergedBaseOn = _choices("MergedBaseOn", ("device", "host"))
 # torch.compile's modes (None: its default); "reduce-overhead" adds CUDA graphs
 CompileMode = _choices("CompileMode", ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
 
@@ -186,6 +188,13 @@ class RolloutConfig:
     # custom Ray resources each replica reserves besides CPUs and GPUs: {name: amount}. Nodes started with
     # `ray start --resources='{"rollout_node": 8}'` and `{rollout_node: 1}` here keep the replicas on those nodes
     replica_resources: dict[str, float] = field(default_factory=dict)
+    # fold the published LoRA into the replica's weights (W0 + α/r·B·A, once per version, from a kept copy of W0):
+    # the generation runs no LoRA matmuls. In-process engines only (diffusers, bagel); the merged forward rounds
+    # differently from the trainer's in bf16, so old log-probs come from the trainer (train.old_logprob)
+    merge_lora: bool = False
+    # where the copy of the adapted base weights lives: "device" (a second copy in GPU memory; the fastest swap) or
+    # "host" (pinned host memory: no GPU memory, one host-to-GPU copy of those weights per version)
+    merged_base_on: MergedBaseOn = MergedBaseOn("device")
     # concurrent requests one replica accepts (vllm-omni queues them and batches up to max_num_seqs per forward)
     max_ongoing_requests: int = 4
     max_num_seqs: int = 1
@@ -497,6 +506,9 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     engines = get_family(model.family).engines
     _require(rollout.engine in engines,
              f"rollout.engine={rollout.engine} cannot run model.family={model.family}: use one of {list(engines)}")
+    _require(not rollout.merge_lora or rollout.engine != Engine.vllm_omni,
+             "rollout.merge_lora: the vllm_omni engine serves adapters through vLLM's LoRA layers; folding the "
+             "adapter into the weights is for the in-process engines (rollout.engine=diffusers, or bagel for BAGEL)")
     window = rollout.sde_window
     _require(0 <= window.size <= rollout.num_inference_steps,
              f"rollout.sde_window.size={window.size} must be in [0, rollout.num_inference_steps="
@@ -622,6 +634,9 @@ def _check_run(config: RunConfig) -> None:
     _require(train.learning_rate >= 0, f"train.learning_rate={train.learning_rate} must be >= 0")
     _require(rollout.noise_level > 0 or train.num_steps == 0,
              "rollout.noise_level=0 samples the deterministic ODE: there is nothing to train; set it > 0")
+    _require(not rollout.merge_lora or train.old_logprob != OldLogprob.rollout,
+             "rollout.merge_lora: the merged weights round differently from the trainer's adapter in bf16, so the "
+             "rollout's log-probs are not the trainer's: set train.old_logprob=trainer (free) or recompute")
     exact = get_family(config.model.family).exact_engines
     _require(rollout.engine in exact or train.old_logprob != OldLogprob.rollout,
              f"rollout.engine={rollout.engine} does not reproduce the trainer's log-probs of model.family="

@@ -11,6 +11,10 @@ both and compiles again when either changes (seen on the GPU: a replica compiled
 adapter arrived). So an engine built for a run's LoRA (`lora`) holds that adapter from the start with B = 0, which
 is the base model exactly; the base model later (`load_lora(None)`) is that adapter zeroed again rather than
 disabled; and the module stays frozen (peft's `set_adapter` marks an adapter trainable).
+
+With `merge_lora` ("device" or "host": where the base weights' copy is kept; None: off) the adapter is folded into the
+weights instead (app/models/lora_merge.py): no peft layers at all, the module a compiled block sees is the base
+model's, and each version costs one fp32 recomputation of the adapted weights at the swap.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from app.models.compile import apply_compile, compile_counts
 from app.models.family import get_family
 from app.models.lora import ADAPTER_NAME, LoraShape, add_zero_lora, attach_lora, copy_into_lora, transformer_key
+from app.models.lora_merge import KEEP_ON, MergedLora
 from app.rollout.seeding import draw_seed
 from app.types import GenerationRequest, LoraAdapter, Trajectory
 
@@ -35,12 +40,18 @@ class LocalEngine:
     family = ""  # the model family (app/models/) a subclass serves
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
-                 compile=None, lora: LoraShape | None = None):
+                 compile=None, lora: LoraShape | None = None, merge_lora: str | None = None):
         """compile: a `model.compile` section (None or off: eager); lora: the shape of the adapters this engine will
-        serve (a run's model section), held from the start as the zero adapter (None: added when one arrives)."""
+        serve (a run's model section), held from the start as the zero adapter (None: added when one arrives);
+        merge_lora: None (a peft adapter beside the weights), or fold it into them, keeping the base weights' copy
+        on the "device" or the "host" (`rollout.merge_lora`, `rollout.merged_base_on`)."""
+        if merge_lora not in (None, *KEEP_ON):
+            raise ValueError(f"merge_lora={merge_lora!r}: use None, {' or '.join(KEEP_ON)}")
         self.model_path = str(Path(model_path).resolve())
         self.compile = compile
         self.lora = lora
+        self.merge_lora = merge_lora
+        self._merged: MergedLora | None = None  # the folded adapter (merge_lora on)
         self.compiled = False
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -55,7 +66,8 @@ class LocalEngine:
     @classmethod
     def from_config(cls, model, rollout) -> LocalEngine:
         """The engine of a run config's model and rollout sections."""
-        return cls(model.path, dtype=model.dtype, compile=model.compile, lora=LoraShape.of(model))
+        return cls(model.path, dtype=model.dtype, compile=model.compile, lora=LoraShape.of(model),
+                   merge_lora=str(rollout.merged_base_on) if rollout.merge_lora else None)
 
     # ---- what a subclass provides ----------------------------------------------------------------------------
 
@@ -87,7 +99,9 @@ class LocalEngine:
             if not self.loaded:
                 self.load_model()
                 module = self.trained_module()
-                if self.lora is not None:
+                if self.merge_lora is not None:
+                    self._merged = MergedLora(module, keep_on=self.merge_lora)
+                elif self.lora is not None:
                     add_zero_lora(module, self.lora)
                 module.requires_grad_(False)
                 self.compiled = apply_compile(module, get_family(self.family), self.compile) > 0
@@ -144,6 +158,12 @@ class LocalEngine:
             return 0.0
         started = time.perf_counter()
         (adapter,) = staged
+        if self._merged is not None:
+            self._merged.apply(adapter)
+            self._lora_version = adapter.version if adapter is not None else 0
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return time.perf_counter() - started
         module = self.trained_module()
         current = (getattr(module, "peft_config", None) or {}).get(ADAPTER_NAME)
         if adapter is None:
@@ -178,6 +198,11 @@ class LocalEngine:
             with self._lock:
                 self._apply_staged()  # an adapter published before these weights applies to the old ones first
                 state = {transformer_key(k): v for k, v in named_tensors.items()}
+                if self._merged is not None:  # the new weights are the base the adapter is folded into
+                    unknown = self._merged.load_base(state)
+                    if unknown:
+                        raise ValueError(f"unknown transformer weights: {unknown[:3]}")
+                    return len(state)
                 result = self.trained_module().load_state_dict(state, strict=False)
                 if result.unexpected_keys:
                     raise ValueError(f"unknown transformer weights: {result.unexpected_keys[:3]}")
@@ -187,7 +212,8 @@ class LocalEngine:
 
     async def health(self) -> dict:
         return {"kind": self.kind, "model": self.model_path, "started": self.loaded,
-                "lora_version": self.lora_version, "served": self._served, "errors": self._errors}
+                "lora_version": self.lora_version, "lora_merged": self.merge_lora is not None,
+                "served": self._served, "errors": self._errors}
 
     async def close(self) -> None:
         self.loaded = False

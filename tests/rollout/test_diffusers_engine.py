@@ -1,5 +1,6 @@
 """The diffusers reference engine's adapters: versions, a change of rank/targets, and back to the base model."""
 
+import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
 
@@ -86,4 +87,46 @@ def test_an_engine_of_a_runs_lora_holds_it_from_the_start_frozen(diffusers_engin
     assert torch.equal(zero.latents, base.latents) and torch.equal(again.latents, base.latents)
     assert not torch.equal(tuned.latents, base.latents)
     assert [name for name, _ in module.named_modules()] == structure
+    assert not any(p.requires_grad for p in module.parameters())
+
+
+def test_an_engine_that_merges_samples_what_the_adapter_samples(diffusers_engine, aio, tiny_model_dir):
+    """`rollout.merge_lora`: the adapter folded into the weights, no peft layers in the module. In fp32 its groups
+    are the peft adapter's to rounding, the base model's bit for bit after `load_lora(None)`, and new base weights
+    (`update_weights`) take the adapter again."""
+    request = GenerationRequest("a red cube", n=2, height=64, width=64, num_inference_steps=3, noise_level=0.7,
+                                sde_type="sde", seed=4)
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
+    adapter = random_lora(transformer, version=3, rank=4, target_modules=["to_q", "to_v", "img_mlp.net.2"], seed=2,
+                          scale=0.5)
+    base = aio(diffusers_engine.generate(request))
+    try:
+        aio(diffusers_engine.load_lora(adapter))
+        unmerged = aio(diffusers_engine.generate(request))
+    finally:
+        aio(diffusers_engine.load_lora(None))
+    engine = DiffusersEngine(tiny_model_dir, lora=LoraShape(4, 4.0, ("to_q",)), merge_lora="device")
+    aio(engine.start())
+    try:
+        module = engine.trained_module()
+        assert not any("lora_" in name for name, _ in module.named_modules())
+        aio(engine.load_lora(adapter))
+        merged = aio(engine.generate(request))
+        health = aio(engine.health())
+        aio(engine.load_lora(None))
+        again = aio(engine.generate(request))
+        # new base weights under the adapter: the merged engine and the peft one agree again
+        weights = {"transformer_blocks.0.attn.to_q.weight": 1.5 * transformer.transformer_blocks[0].attn.to_q.weight}
+        aio(engine.load_lora(adapter))
+        assert aio(engine.update_weights(weights)) == 1
+        reloaded = aio(engine.generate(request))
+        with pytest.raises(ValueError, match="unknown transformer weights"):
+            aio(engine.update_weights({"transformer_blocks.0.attn.nowhere.weight": torch.zeros(2, 2)}))
+    finally:
+        aio(engine.close())
+    assert merged.lora_version == 3 and health["lora_merged"] and not torch.equal(merged.latents, base.latents)
+    torch.testing.assert_close(merged.latents, unmerged.latents, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(merged.log_probs, unmerged.log_probs, rtol=1e-4, atol=1e-4)
+    assert again.lora_version == 0 and torch.equal(again.latents, base.latents)
+    assert not torch.equal(reloaded.latents, merged.latents)
     assert not any(p.requires_grad for p in module.parameters())

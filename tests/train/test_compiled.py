@@ -129,6 +129,34 @@ def test_nothing_compiles_again_after_the_first_groups(compiled, tiny_model_dir,
     assert compile_counts() == before
 
 
+def test_an_engine_that_merges_compiles_once_and_the_first_pass_stays_exact(compiled, tiny_model_dir, aio):
+    """`rollout.merge_lora`: the adapter folded into a compiled engine's weights. A new version rewrites weights in
+    place, which compiles nothing again; the compiled trainer's first pass on its groups is exactly 1 (old log-probs
+    from the trainer) and the rollout's log-probs, from other roundings, are logged as the mismatch."""
+    _, policy, settings, adapter = compiled
+    engine = DiffusersEngine(tiny_model_dir, compile=settings, merge_lora="device")
+    aio(engine.start())
+    try:
+        assert engine.compiled
+        for seed, prompt in enumerate([FIRST, 'a poster with the words "FLOW GRPO" in large letters']):
+            aio(engine.generate(ROLLOUT.request(prompt, seed=seed, group_id=seed)))  # the base model's first groups
+        before = compile_counts()
+        for version in (2, 3):
+            aio(engine.load_lora(_adapter(tiny_model_dir, version, seed=version)))
+            aio(engine.generate(ROLLOUT.request('a label reading "OK"', seed=version, group_id=version)))
+        aio(engine.load_lora(adapter))
+        traj = aio(engine.generate(ROLLOUT.request(FIRST, seed=5, group_id=0)))
+        aio(engine.load_lora(None))
+        aio(engine.generate(ROLLOUT.request(FIRST, seed=9, group_id=9)))
+        assert compile_counts() == before
+    finally:
+        aio(engine.close())
+    assert traj.lora_version == 1
+    stats, mismatch, _ = _pass(policy, traj)
+    assert stats["actor/ratio_dev_first_pass_max"] == 0.0
+    assert 0 < mismatch["rollout/logprob_mismatch_max"] < 1e-4
+
+
 def test_a_new_process_compiles_from_the_shared_cache(tiny_model_dir, tmp_path):
     """A process samples a group with a compiled engine and trains a compiled policy on it; a second one, the same
     work given a copy of that cache folder at another path (a restarted worker, a replacement replica, a fresh

@@ -11,6 +11,7 @@ steps minus the first 4; seeds 0-4):
     window 2 of 4 in [0, 3)      +0.214 +0.143 +0.151 +0.070 +0.026   mean +0.121
     staleness 1                  +0.078 +0.077 +0.172 +0.058 +0.029   mean +0.083
     window and staleness 1       +0.085 +0.108 +0.170 +0.092 +0.018   mean +0.095
+    merged adapter (trainer)     +0.098 +0.147 (seeds 0, 1; `rollout.merge_lora`, `train.old_logprob: trainer`)
     lr 0 (the noise)             +0.027 +0.012 −0.010 −0.002 +0.024   mean +0.010, std 0.016 (window: +0.003)
 
 The test takes the mean gain of seeds 0 and 1 (the noise of such a mean: std 0.011). The threshold 0.05 is 3.5 of
@@ -39,3 +40,18 @@ def test_a_fast_recipe_learns_jpeg_compressibility(diffusers_engine, tiny_model_
                                staleness=staleness)) for seed in SEEDS]
     print(f"{recipe}: gains", " ".join(f"{g:+.4f}" for g in gains))
     assert sum(gains) / len(gains) > THRESHOLD, (recipe, gains)
+
+
+@pytest.mark.slow
+def test_the_recipe_learns_with_the_adapter_merged_into_the_engine(tiny_model_dir):
+    """`rollout.merge_lora`: each step's adapter folded into the engine's weights, old log-probs from the trainer's
+    first pass (the config requires it), the rollout's weighing each term as the behaviour policy's."""
+    from deployments.rollout import make_engine
+
+    config = load("configs/tiny_cpu.yaml", [f"model.path={tiny_model_dir}", "rollout.engine=diffusers",
+                                            "rollout.merge_lora=true", "train.old_logprob=trainer"])
+    engine = make_engine(config.model, config.rollout)
+    assert engine.merge_lora == "device"
+    gains = [gain(reward_curve(engine, tiny_model_dir, config, seed=seed, lr=LR, steps=STEPS)) for seed in SEEDS]
+    print("merged adapter: gains", " ".join(f"{g:+.4f}" for g in gains))
+    assert sum(gains) / len(gains) > THRESHOLD, gains

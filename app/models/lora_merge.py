@@ -1,0 +1,109 @@
+"""A published LoRA folded into the weights it adapts (W = W0 + (α/r)·B·A), for a rollout engine that serves one
+adapter at a time: the generation runs the base model's matmuls only, with no LoRA branch beside each adapted layer.
+
+Each version is computed from a kept copy of W0 in fp32 and rounded once to the weight's dtype, so swapping
+adapters never drifts (adding the new product and subtracting the old in bf16 would round at every version), and
+the base model comes back bit for bit. The copies are taken the first time an adapter touches a layer: on the
+weight's device (fast, a second copy of the adapted weights in its memory) or in pinned host memory (no GPU
+memory, one host-to-device copy per layer and version).
+
+The merged forward is not the trainer's unmerged one in bf16 (x·Wᵀ rounds differently from x·W0ᵀ + x·Aᵀ·Bᵀ·α/r),
+so a run that merges takes its old log-probs from the trainer (`train.old_logprob: trainer` or `recompute`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.models.lora import transformer_key
+from app.types import LoraAdapter
+
+KEEP_ON = ("device", "host")
+
+
+def adapter_layers(adapter: LoraAdapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module name: (A [r, in], B [out, r])} of an adapter's tensors (peft or diffusers names)."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in adapter.tensors.items():
+        name = transformer_key(key)
+        side = "A" if ".lora_A." in name else "B"  # LoraAdapter admits no other names
+        parts.setdefault(name.split(f".lora_{side}.")[0], {})[side] = tensor
+    missing = [m for m, p in parts.items() if len(p) != 2]
+    if missing:
+        raise ValueError(f"LoRA layer {missing[0]!r} has only one of lora_A / lora_B")
+    return {m: (p["A"], p["B"]) for m, p in parts.items()}
+
+
+class MergedLora:
+    """Folds one adapter at a time into `module`'s weights; `apply(None)` is the base model again."""
+
+    def __init__(self, module: torch.nn.Module, *, keep_on: str = "device"):
+        if keep_on not in KEEP_ON:
+            raise ValueError(f"keep_on={keep_on!r}: use one of {KEEP_ON}")
+        self.module = module
+        self.keep_on = keep_on
+        self.base: dict[str, torch.Tensor] = {}  # module name -> W0, taken before its first merge
+        self.merged: set[str] = set()  # the layers holding W0 + (α/r)·B·A now
+        self.adapter: LoraAdapter | None = None
+
+    def _check(self, layers: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Every layer exists, is a plain weight matrix and fits its A and B; nothing is changed before this
+        passes."""
+        modules = dict(self.module.named_modules())
+        for name, (a, b) in layers.items():
+            weight = getattr(modules.get(name), "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+                raise ValueError(f"LoRA layer {name!r}: the module has no such linear layer to merge into")
+            out_features, in_features = weight.shape
+            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape[0] != out_features \
+                    or a.shape[0] != b.shape[1]:
+                raise ValueError(f"LoRA layer {name!r}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit its "
+                                 f"weight {tuple(weight.shape)}")
+
+    def _weight(self, name: str) -> torch.Tensor:
+        return self.module.get_submodule(name).weight
+
+    def _keep(self, name: str) -> torch.Tensor:
+        if name not in self.base:
+            weight = self._weight(name).detach()
+            if self.keep_on == "host" and weight.device.type != "cpu":
+                kept = torch.empty(weight.shape, dtype=weight.dtype, device="cpu", pin_memory=True)
+                kept.copy_(weight)
+            else:
+                kept = weight.clone()
+            self.base[name] = kept
+        return self.base[name]
+
+    @torch.no_grad()
+    def apply(self, adapter: LoraAdapter | None) -> None:
+        """Fold `adapter` in (None: the base model), replacing the adapter folded in before."""
+        layers = adapter_layers(adapter) if adapter is not None else {}
+        self._check(layers)
+        for name in self.merged - layers.keys():  # layers the previous adapter adapted and this one does not
+            self._weight(name).copy_(self.base[name], non_blocking=True)
+        scale = adapter.alpha / adapter.rank if adapter is not None else 0.0
+        for name, (a, b) in layers.items():
+            weight = self._weight(name)
+            work = torch.promote_types(weight.dtype, torch.float32)  # fp32, or a float64 model's own
+            base = self._keep(name).to(weight.device, non_blocking=True)
+            a = a.to(weight.device, work, non_blocking=True)
+            b = b.to(weight.device, work, non_blocking=True)
+            weight.copy_(torch.addmm(base.to(work), b, a, alpha=scale))  # one rounding to the weight's dtype
+        self.merged = set(layers)
+        self.adapter = adapter
+
+    @torch.no_grad()
+    def load_base(self, named_tensors: dict[str, torch.Tensor]) -> list[str]:
+        """New base weights ({transformer-relative name: tensor}) under the folded adapter: the kept copies of
+        the layers they replace are dropped, the weights loaded, the adapter folded in again. Returns the names
+        the module does not have (nothing is loaded then)."""
+        unknown = sorted(set(named_tensors) - set(self.module.state_dict()))
+        if unknown:
+            return unknown
+        current = self.adapter
+        self.apply(None)
+        self.module.load_state_dict(named_tensors, strict=False)
+        for key in named_tensors:
+            self.base.pop(key.rpartition(".")[0], None)  # "<layer>.weight": that layer's W0 is the new one
+        self.apply(current)
+        return []
