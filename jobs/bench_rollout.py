@@ -11,6 +11,10 @@ per-sample generators, latents/log-probs recorded) over stock generation (`gener
 same prompts and seeds after a warm-up; the figure is the median of --repeats timed passes.
 `model.compile.enabled=true` compiles the engine's blocks: the warm-up (`warmup_s`) then includes compilation,
 and `compile_frames_timed` counts compilations during the timed batched passes (0 in steady state).
+
+--adapter serves a random adapter of the run's LoRA shape (`model.lora_*`) from the warm-up on, as a run's replica
+does after its first step, and after the timed passes swaps in a second one: `adapter_swap_s` is what a new version
+costs the next group (with `rollout.merge_lora=true`: folding it into the weights).
 """
 
 import argparse
@@ -26,6 +30,7 @@ from app.config import load
 from app.flops import group_flops, mfu
 from app.models.compile import cache_counts, compile_counts
 from app.models.family import get_family
+from app.models.lora import random_lora
 from deployments.rollout import make_engine
 from jobs.report import emit_json_line
 
@@ -42,15 +47,26 @@ async def _timed(label: str, run, requests, repeats: int) -> float:
     return statistics.median(times)
 
 
-async def bench(config, groups: int, repeats: int, batched_only: bool = False) -> dict:
+def _random_adapter(engine, model, version: int):
+    """A random adapter of the run's LoRA shape for `engine`'s module (made on it, so on its device)."""
+    return random_lora(engine.trained_module(), version=version, rank=model.lora_rank,
+                       target_modules=model.lora_targets, seed=version, scale=0.1)
+
+
+async def bench(config, groups: int, repeats: int, batched_only: bool = False, adapter: bool = False) -> dict:
     family = get_family(config.model.family)
     if config.model.build_tiny:
         family.build_tiny(config.model.path, seed=config.model.tiny_seed)
     engine = make_engine(config.model, config.rollout)
+    if adapter and not hasattr(engine, "trained_module"):
+        raise SystemExit(f"--adapter: the {engine.kind} engine's module is not in this process; use an in-process "
+                         "engine (rollout.engine=diffusers, or bagel)")
     await engine.start()
     requests = [config.rollout.request(PROMPTS[i % len(PROMPTS)], seed=i) for i in range(groups)]
     ro = config.rollout
     images = groups * ro.group_size
+    if adapter:
+        await engine.load_lora(_random_adapter(engine, config.model, 1))  # applied by the first group
     began = time.perf_counter()
     first = await engine.generate(requests[0])  # warm-up: first-call allocations (and compilation)
     for r in requests[1:]:  # every prompt once: its text length (a new shape for a compiled block)
@@ -58,7 +74,11 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False) -
     warmup = time.perf_counter() - began
     frames = compile_counts()["frames"]
     batched = await _timed("batched", engine.generate, requests, repeats)
-    frames = compile_counts()["frames"] - frames
+    swap = None
+    if adapter:  # the next version, as a run publishes it; a replica's next group pays for the swap
+        await engine.load_lora(_random_adapter(engine, config.model, 2))
+        swap = (await engine.generate(requests[0])).producer.get("adapter_swap_s")
+    frames = compile_counts()["frames"] - frames  # the timed passes and a new version: 0 in steady state
     plain = per_sample = None
     if not batched_only:
         await engine.generate_plain(requests[0])
@@ -77,6 +97,8 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False) -
         "dtype": str(config.model.dtype), "compiled": engine.compiled,
         "compile_mode": str(config.model.compile.mode) if engine.compiled else None,
         "real_rope": bool(config.model.compile.real_rope) if engine.compiled else False,
+        "adapter": adapter, "merge_lora": getattr(engine, "merge_lora", None),
+        "adapter_swap_s": round(swap, 3) if swap is not None else None,
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
         "compile_cache": cache_counts(),
         "batched_images_per_s": round(images / batched, 2),
@@ -97,10 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per mode (median reported)")
     parser.add_argument("--batched-only", action="store_true",
                         help="time the batched mode only (no stock-pipeline or per-sample comparison)")
+    parser.add_argument("--adapter", action="store_true",
+                        help="serve a random adapter of the run's LoRA shape (and time the swap to a second one)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
     config = load(args.config, args.overrides)
-    result = asyncio.run(bench(config, args.groups, args.repeats, args.batched_only))
+    result = asyncio.run(bench(config, args.groups, args.repeats, args.batched_only, args.adapter))
     emit_json_line(result)
     return 0
 

@@ -74,6 +74,19 @@ def test_cross_field_checks_say_what_to_change(override, match):
         load(CONFIGS / "tiny_cpu.yaml", overrides)
 
 
+def test_merging_the_adapter_needs_an_in_process_engine_and_the_trainers_old_log_probs():
+    with pytest.raises(ConfigError, match="rollout.merge_lora: the vllm_omni engine serves adapters"):
+        load(CONFIGS / "tiny_cpu.yaml", ["rollout.merge_lora=true", "train.old_logprob=trainer"])
+    with pytest.raises(ConfigError, match="set train.old_logprob=trainer"):
+        load(CONFIGS / "tiny_cpu.yaml", ["rollout.merge_lora=true", "rollout.engine=diffusers",
+                                         "train.old_logprob=rollout"])
+    with pytest.raises(ConfigError, match="merged_base_on.*expected one of \\[device, host\\]"):
+        load(CONFIGS / "tiny_cpu.yaml", ["rollout.merged_base_on=gpu"])
+    config = load(CONFIGS / "tiny_cpu.yaml", ["rollout.merge_lora=true", "rollout.engine=diffusers",
+                                              "train.old_logprob=trainer", "rollout.merged_base_on=host"])
+    assert config.rollout.merge_lora and config.rollout.merged_base_on == "host"
+
+
 def test_override_without_equals_sign():
     with pytest.raises(ConfigError, match="key=value"):
         load(CONFIGS / "tiny_cpu.yaml", ["train.learning_rate"])

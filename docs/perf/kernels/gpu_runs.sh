@@ -2,7 +2,7 @@
 # Issue 36's levers side by side on one lent GPU: the Qwen-Image trainer and rollout benches before and after, one
 # device call per stage, back to back (the machine keeps /tmp only while calls follow each other). In the project
 # root with the device wheels installed and PYTHONPATH set:
-#   bash docs/perf/kernels/gpu_runs.sh setup | train_step VARIANT | rollout | cache
+#   bash docs/perf/kernels/gpu_runs.sh setup | train_step VARIANT | rollout | rollout_merged | cache
 # VARIANT: before (FSDP2 copies the frozen base, diffusers' complex RoPE: the code of 2026-11-25), after (today's
 # defaults), budget (after, with compile's activation memory budget instead of whole-block recomputation).
 # The GPU image has no vllm: the rollout bench runs the diffusers engine.
@@ -42,5 +42,15 @@ case "$1" in
         model.path=$MODEL model.compile.cache_dir=$CACHE model.compile.real_rope=$rope 2>"$OUT/rollout_$rope.err" \
         | tail -1 | tee -a "$OUT/bench_rollout.jsonl"
       tail -n 2 "$OUT/rollout_$rope.err"
+    done ;;
+  rollout_merged)  # a served adapter (r=64, the config's 12 targets) beside the weights (peft) against folded
+    # into them (rollout.merge_lora), compiled, then the swap to a second version. The adapted weights' copy: on the
+    # host by default (27 GB of them: the device copy fits an H200's memory, not an H100's); MERGE_ON=device there
+    for merge in false true; do
+      timeout ${BENCH_TIMEOUT:-280} python -m jobs.bench_rollout --config $CFG --groups 2 --repeats 3 --batched-only \
+        --adapter model.path=$MODEL model.compile.cache_dir=$CACHE rollout.merge_lora=$merge \
+        rollout.merged_base_on=${MERGE_ON:-host} 2>"$OUT/rollout_merge_$merge.err" \
+        | tail -1 | tee -a "$OUT/bench_rollout_merge.jsonl"
+      tail -n 2 "$OUT/rollout_merge_$merge.err"
     done ;;
 esac
