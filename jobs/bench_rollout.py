@@ -15,13 +15,19 @@ and `compile_frames_timed` counts compilations during the timed batched passes (
 --adapter serves a random adapter of the run's LoRA shape (`model.lora_*`) from the warm-up on, as a run's replica
 does after its first step, and after the timed passes swaps in a second one: `adapter_swap_s` is what a new version
 costs the next group (with `rollout.merge_lora=true`: folding it into the weights).
+
+--profile FILE writes one more group of an in-process engine under the torch profiler: GPU seconds by kind of
+kernel, the top kernels, and the share of the group's wall time the GPU was busy (`gpu_busy`: well under 1, the
+GPU waits on Python's launches, which CUDA graphs remove).
 """
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -32,7 +38,7 @@ from app.models.compile import cache_counts, compile_counts
 from app.models.family import get_family
 from app.models.lora import random_lora
 from deployments.rollout import make_engine
-from jobs.report import emit_json_line
+from jobs.report import emit_json_line, kernel_time_by_kind
 
 PROMPTS = ['a sign that says "OPEN"', "a red cube on a blue table", "a photo of a cat", 'text reading "HELLO"']
 
@@ -53,14 +59,34 @@ def _random_adapter(engine, model, version: int):
                        target_modules=model.lora_targets, seed=version, scale=0.1)
 
 
-async def bench(config, groups: int, repeats: int, batched_only: bool = False, adapter: bool = False) -> dict:
+async def _profile(engine, request, path: str) -> None:
+    """One group under the profiler (the engine's kernels run in this process)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = torch.cuda.is_available()
+    with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        began = time.perf_counter()
+        await engine.generate(request)
+        if cuda:
+            torch.cuda.synchronize()
+        group_s = time.perf_counter() - began
+    kernels = kernel_time_by_kind(prof)
+    busy = round(kernels["gpu_s_total"] / group_s, 3) if cuda else None
+    Path(path).write_text(json.dumps({"group_s": round(group_s, 3), "images": request.n, "gpu_busy": busy,
+                                      **kernels}, indent=1))
+
+
+async def bench(config, groups: int, repeats: int, batched_only: bool = False, adapter: bool = False,
+                profile: str | None = None) -> dict:
     family = get_family(config.model.family)
     if config.model.build_tiny:
         family.build_tiny(config.model.path, seed=config.model.tiny_seed)
     engine = make_engine(config.model, config.rollout)
-    if adapter and not hasattr(engine, "trained_module"):
-        raise SystemExit(f"--adapter: the {engine.kind} engine's module is not in this process; use an in-process "
-                         "engine (rollout.engine=diffusers, or bagel)")
+    for flag, wanted in (("--adapter", adapter), ("--profile", profile)):
+        if wanted and not hasattr(engine, "trained_module"):
+            raise SystemExit(f"{flag}: the {engine.kind} engine's model is not in this process; use an in-process "
+                             "engine (rollout.engine=diffusers, or bagel)")
     await engine.start()
     requests = [config.rollout.request(PROMPTS[i % len(PROMPTS)], seed=i) for i in range(groups)]
     ro = config.rollout
@@ -79,6 +105,8 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
         await engine.load_lora(_random_adapter(engine, config.model, 2))
         swap = (await engine.generate(requests[0])).producer.get("adapter_swap_s")
     frames = compile_counts()["frames"] - frames  # the timed passes and a new version: 0 in steady state
+    if profile:
+        await _profile(engine, requests[0], profile)
     plain = per_sample = None
     if not batched_only:
         await engine.generate_plain(requests[0])
@@ -121,10 +149,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="time the batched mode only (no stock-pipeline or per-sample comparison)")
     parser.add_argument("--adapter", action="store_true",
                         help="serve a random adapter of the run's LoRA shape (and time the swap to a second one)")
+    parser.add_argument("--profile", help="write the GPU time by kind of kernel of one more group to this JSON file")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
     config = load(args.config, args.overrides)
-    result = asyncio.run(bench(config, args.groups, args.repeats, args.batched_only, args.adapter))
+    result = asyncio.run(bench(config, args.groups, args.repeats, args.batched_only, args.adapter,
+                                 args.profile))
     emit_json_line(result)
     return 0
 

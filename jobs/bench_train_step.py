@@ -40,7 +40,7 @@ from app.models.compile import cache_counts, compile_counts, compile_seconds
 from app.train.policy import Policy
 from app.train.update import make_optimizer, recompute_log_probs, train_pass
 from app.types import Trajectory
-from jobs.report import emit_json_line
+from jobs.report import emit_json_line, kernel_time_by_kind
 
 
 def synthetic_group(config, family, denoiser_config, group: int, seed: int) -> Trajectory:
@@ -53,29 +53,6 @@ def synthetic_group(config, family, denoiser_config, group: int, seed: int) -> T
     request = rollout.request(f"group {group}", seed=group, group_id=group, sde_window=window)
     return family.shaped_trajectory(config.model.path, request, denoiser_config,
                                     torch.Generator().manual_seed(seed + group))
-
-
-KERNEL_KINDS = [  # (kind, substrings of CUDA kernel names), first match wins
-    ("attention", ("flash", "fmha", "attention", "sdpa")),
-    ("matmul", ("gemm", "cutlass", "xmma", "sm90", "wgmma", "cublas")),
-    ("collective_copy", ("nccl", "memcpy", "memset", "copy_kernel", "catarraybatched", "split_with_sizes")),
-    ("reduction_norm", ("reduce", "norm", "softmax")),
-]
-
-
-def kernel_time_by_kind(profiler) -> dict:
-    """GPU seconds per kind of kernel (element-wise: whatever is not named above), and the top kernels."""
-    kernels = [e for e in profiler.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
-    by_kind: dict[str, float] = {}
-    for event in kernels:
-        name = event.key.lower()
-        kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "elementwise")
-        by_kind[kind] = by_kind.get(kind, 0.0) + event.self_device_time_total / 1e6
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
-    return {"gpu_s_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "gpu_s_total": round(sum(by_kind.values()), 3),
-            "top_kernels": [{"name": e.key[:120], "gpu_s": round(e.self_device_time_total / 1e6, 4),
-                             "calls": e.count} for e in top]}
 
 
 def bench(config, groups: int, repeats: int, profile: str | None = None, shard_frozen: bool = False) -> dict:

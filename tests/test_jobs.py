@@ -25,16 +25,19 @@ def test_bench_rollout_prints_one_json_line(tmp_path):
     assert result["batched_over_per_sample"] > 0 and "trajectory_overhead_pct" in result
 
 
-def test_bench_rollout_serves_an_adapter_merged_and_times_its_swap(tmp_path):
+def test_bench_rollout_serves_an_adapter_merged_times_its_swap_and_profiles_a_group(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "jobs.bench_rollout", "--config", "configs/tiny_cpu.yaml", "--groups", "2",
-         "--repeats", "1", "--batched-only", "--adapter", f"model.path={tmp_path / 'tiny'}",
+         "--repeats", "1", "--batched-only", "--adapter", "--profile", str(tmp_path / "profile.json"),
+         f"model.path={tmp_path / 'tiny'}",
          "rollout.engine=diffusers", "rollout.merge_lora=true", "train.old_logprob=trainer"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     assert result["adapter"] is True and result["merge_lora"] == "device" and result["engine"] == "diffusers"
     assert result["adapter_swap_s"] > 0 and result["batched_images_per_s"] > 0
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert profile["group_s"] > 0 and profile["images"] == 4 and "top_kernels" in profile
 
 
 @pytest.mark.parametrize("config,preset", [("tiny_cpu", "tiny"), ("tiny_sd3_cpu", "tiny-sd3")])

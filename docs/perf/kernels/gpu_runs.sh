@@ -44,11 +44,12 @@ case "$1" in
       tail -n 2 "$OUT/rollout_$rope.err"
     done ;;
   rollout_merged)  # a served adapter (r=64, the config's 12 targets) beside the weights (peft) against folded
-    # into them (rollout.merge_lora), compiled, then the swap to a second version. The adapted weights' copy: on the
+    # into them (rollout.merge_lora), compiled, then the swap to a second version, then one group profiled (how
+    # busy the GPU is: what CUDA graphs could win). The adapted weights' copy: on the
     # host by default (27 GB of them: the device copy fits an H200's memory, not an H100's); MERGE_ON=device there
     for merge in false true; do
       timeout ${BENCH_TIMEOUT:-280} python -m jobs.bench_rollout --config $CFG --groups 2 --repeats 3 --batched-only \
-        --adapter model.path=$MODEL model.compile.cache_dir=$CACHE rollout.merge_lora=$merge \
+        --adapter --profile "$OUT/profile_rollout_merge_$merge.json" model.path=$MODEL model.compile.cache_dir=$CACHE rollout.merge_lora=$merge \
         rollout.merged_base_on=${MERGE_ON:-host} 2>"$OUT/rollout_merge_$merge.err" \
         | tail -1 | tee -a "$OUT/bench_rollout_merge.jsonl"
       tail -n 2 "$OUT/rollout_merge_$merge.err"
