@@ -139,3 +139,29 @@ def test_the_stock_pipelines_draw_what_the_ode_draws(sd3_vllm_engine, sd3_engine
     req = request(noise_level=0.0, guidance_scale=4.5)
     ode = aio(sd3_engine.generate(req))
     assert (aio(sd3_engine.generate_plain(req)).int() - ode.images.int()).abs().max() <= 1
+
+
+def test_an_engine_that_merges_samples_what_the_adapter_samples(sd3_engine, aio, tiny_sd3_dir, lora_v2):
+    """`rollout.merge_lora` on SD3: the adapter folded into the weights samples what the peft adapter samples (fp32,
+    to rounding), and the base model comes back bit for bit."""
+    from app.rollout.sd3_engine import SD3Engine
+
+    base = aio(sd3_engine.generate(request()))
+    try:
+        aio(sd3_engine.load_lora(lora_v2))
+        unmerged = aio(sd3_engine.generate(request()))
+    finally:
+        aio(sd3_engine.load_lora(None))
+    engine = SD3Engine(tiny_sd3_dir, merge_lora="host")
+    aio(engine.start())
+    try:
+        aio(engine.load_lora(lora_v2))
+        merged = aio(engine.generate(request()))
+        aio(engine.load_lora(None))
+        again = aio(engine.generate(request()))
+    finally:
+        aio(engine.close())
+    assert merged.lora_version == 2 and (merged.latents - base.latents).abs().max() > 1e-2
+    torch.testing.assert_close(merged.latents, unmerged.latents, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(merged.log_probs, unmerged.log_probs, rtol=1e-4, atol=1e-4)
+    assert torch.equal(again.latents, base.latents)
