@@ -208,10 +208,11 @@ class NullRunLog:
 
 
 class PhaseTimer:
-    """Wall time of a step's phases: `with timer("rollout"): ...`, then `timer.metrics()` → {"timing/rollout_s"}."""
+    """Wall time of a step's phases: `with timer("rollout"): ...`, then `timer.metrics()` → {"timing/rollout_s"}.
+    sync: called as each phase ends (a GPU's queued work belongs to the phase that queued it)."""
 
-    def __init__(self):
-        self.started, self.seconds = time.perf_counter(), {}
+    def __init__(self, sync=None):
+        self.started, self.seconds, self.sync = time.perf_counter(), {}, sync
 
     @contextmanager
     def __call__(self, phase: str):
@@ -219,6 +220,8 @@ class PhaseTimer:
         try:
             yield
         finally:
+            if self.sync is not None:
+                self.sync()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - began
 
     def metrics(self) -> dict[str, float]:

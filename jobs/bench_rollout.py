@@ -43,14 +43,14 @@ from jobs.report import emit_json_line, kernel_time_by_kind
 PROMPTS = ['a sign that says "OPEN"', "a red cube on a blue table", "a photo of a cat", 'text reading "HELLO"']
 
 
-async def _timed(label: str, run, requests, repeats: int) -> float:
+async def _timed(label: str, run, requests, repeats: int) -> tuple[float, list]:
+    """The median seconds of `repeats` passes over `requests`, and the last pass's results."""
     times = []
     for _ in tqdm(range(repeats), desc=label, file=sys.stderr, leave=False):
         start = time.perf_counter()
-        for r in requests:
-            await run(r)
+        results = [await run(r) for r in requests]
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), results
 
 
 def _random_adapter(engine, model, version: int):
@@ -99,7 +99,11 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
         await engine.generate(r)
     warmup = time.perf_counter() - began
     frames = compile_counts()["frames"]
-    batched = await _timed("batched", engine.generate, requests, repeats)
+    batched, trajs = await _timed("batched", engine.generate, requests, repeats)
+    phases: dict[str, float] = {}  # an in-process engine's encode / denoise / decode seconds, the last pass
+    for traj in trajs:
+        for phase, seconds in traj.producer.get("phase_s", {}).items():
+            phases[phase] = phases.get(phase, 0.0) + seconds
     swap = None
     if adapter:  # the next version, as a run publishes it; a replica's next group pays for the swap
         await engine.load_lora(_random_adapter(engine, config.model, 2))
@@ -110,10 +114,10 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
     plain = per_sample = None
     if not batched_only:
         await engine.generate_plain(requests[0])
-        plain = await _timed("plain", engine.generate_plain, requests, repeats)
+        plain, _ = await _timed("plain", engine.generate_plain, requests, repeats)
         engine.batched_groups = False
         await engine.generate(requests[0])
-        per_sample = await _timed("per-sample", engine.generate, requests, repeats)
+        per_sample, _ = await _timed("per-sample", engine.generate, requests, repeats)
     await engine.close()
     # useful FLOPs of the batched mode: every denoising step's forward, both CFG branches
     denoiser = family.denoiser_config(config.model.path)
@@ -130,6 +134,7 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
         "compile_cache": cache_counts(),
         "batched_images_per_s": round(images / batched, 2),
+        "batched_phase_share": {k: round(v / batched, 3) for k, v in phases.items()},
         **({} if batched_only else {
             "per_sample_images_per_s": round(images / per_sample, 2),
             "batched_over_per_sample": round(per_sample / batched, 2),

@@ -36,6 +36,8 @@ def test_bench_rollout_serves_an_adapter_merged_times_its_swap_and_profiles_a_gr
     result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     assert result["adapter"] is True and result["merge_lora"] == "device" and result["engine"] == "diffusers"
     assert result["adapter_swap_s"] > 0 and result["batched_images_per_s"] > 0
+    assert set(result["batched_phase_share"]) == {"encode", "denoise", "decode"}
+    assert 0.5 < sum(result["batched_phase_share"].values()) <= 1.0
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["group_s"] > 0 and profile["images"] == 4 and "top_kernels" in profile
 

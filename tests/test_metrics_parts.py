@@ -27,6 +27,18 @@ def test_phase_timer_adds_up_a_phase_entered_twice():
     assert out["timing/rollout_s"] + out["timing/other_s"] == pytest.approx(out["timing/step_s"])
 
 
+def test_phase_timer_counts_the_work_a_phase_queued_inside_it():
+    """With `sync` (a GPU's synchronize) each phase ends when what it queued has run: here a sync that takes
+    0.02 s is counted inside the phase, once per phase, even when the phase raises."""
+    calls = []
+    timer = PhaseTimer(sync=lambda: (calls.append(1), time.sleep(0.02)))
+    with timer("decode"):
+        pass
+    with pytest.raises(RuntimeError), timer("denoise"):
+        raise RuntimeError("a failed group")
+    assert len(calls) == 2 and timer.seconds["decode"] >= 0.02 and timer.seconds["denoise"] >= 0.02
+
+
 def test_throughput_and_mfu_of_a_step():
     step = {"rollout/images": 32.0, "timing/step_s": 4.0}
     assert throughput(step, useful_tflop=989.0, gpus=2) == {

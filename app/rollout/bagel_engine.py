@@ -66,19 +66,22 @@ class BagelEngine(LocalEngine):
             largest = config.max_latent_size * config.vae_downsample * config.latent_patch_size
             raise ValueError(f"height={request.height}, width={request.width}: this BAGEL checkpoint generates at "
                              f"most {largest}x{largest}")
-        conditioning = self.conditioning(request)
         guidance = bagel.Guidance(text_scale=request.guidance_scale, img_scale=request.image_guidance_scale,
                                   interval=tuple(request.cfg_interval), renorm=request.cfg_renorm,
                                   renorm_min=request.cfg_renorm_min)
-        contexts = build_contexts(model, conditioning, guidance)
+        with self.phases("encode"):  # the prompt's (and an edit's image's) contexts, block by block
+            conditioning = self.conditioning(request)
+            contexts = build_contexts(model, conditioning, guidance)
         sigmas = bagel.schedule(request.num_inference_steps + 1, request.timestep_shift)
         marks = tuple(int(i) for i in conditioning["image_tokens"])
-        latents, log_probs = bagel.sample_group(
-            model, contexts, guidance, generators=sample_generators(seed, request.sample_offset, request.n),
-            grid=grid, image_tokens=marks, sigmas=sigmas, noise_levels=request.step_noise_levels,
-            sde_type=request.sde_type)
-        final = torch.stack([bagel.unpatchify(x, grid, config.latent_patch_size) for x in latents[:, -1]])
-        images = flux_ae.decode(self.autoencoder, final, self.ae_params)
+        with self.phases("denoise"):
+            latents, log_probs = bagel.sample_group(
+                model, contexts, guidance, generators=sample_generators(seed, request.sample_offset, request.n),
+                grid=grid, image_tokens=marks, sigmas=sigmas, noise_levels=request.step_noise_levels,
+                sde_type=request.sde_type)
+        with self.phases("decode"):
+            final = torch.stack([bagel.unpatchify(x, grid, config.latent_patch_size) for x in latents[:, -1]])
+            images = flux_ae.decode(self.autoencoder, final, self.ae_params)
         return Trajectory.sampled(
             request, seed=seed, lora_version=self._lora_version, images=images, latents=latents.float().cpu(),
             log_probs=log_probs.float().cpu(), timesteps=sigmas[:-1].clone(), sigmas=sigmas, family=FAMILY.name,

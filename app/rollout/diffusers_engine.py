@@ -68,10 +68,11 @@ class DiffusersEngine(LocalEngine):
     @torch.no_grad()
     def _generate_group(self, request: GenerationRequest, seed: int) -> Trajectory:
         pipe, n = self.pipe, request.n
-        embeds, mask = self._encode(request.prompt)
-        neg_embeds = neg_mask = None
-        if request.do_cfg:
-            neg_embeds, neg_mask = self._encode(request.negative_prompt)
+        with self.phases("encode"):
+            embeds, mask = self._encode(request.prompt)
+            neg_embeds = neg_mask = None
+            if request.do_cfg:
+                neg_embeds, neg_mask = self._encode(request.negative_prompt)
         generators = sample_generators(seed, request.sample_offset, n)
         x = qwen_image.initial_latents(generators, pipe.transformer.config.in_channels // 4, request.height,
                                        request.width, embeds.dtype, self.device)  # [n, L, 4C]
@@ -79,10 +80,11 @@ class DiffusersEngine(LocalEngine):
         v = qwen_image.group_velocity(pipe.transformer, timesteps, embeds, mask, neg_embeds, neg_mask, batch=n,
                                       height=request.height, width=request.width,
                                       guidance_scale=request.guidance_scale, device=self.device, dtype=embeds.dtype)
-        latents, log_probs = sample_trajectory(v, x, sigmas, request.step_noise_levels, sde_type=request.sde_type,
-                                               generators=generators)
-        x = latents[:, -1].to(x.dtype)
-        images = qwen_image.decode_images(pipe.vae, x, request.height, request.width)
+        with self.phases("denoise"):
+            latents, log_probs = sample_trajectory(v, x, sigmas, request.step_noise_levels,
+                                                   sde_type=request.sde_type, generators=generators)
+        with self.phases("decode"):
+            images = qwen_image.decode_images(pipe.vae, latents[:, -1].to(x.dtype), request.height, request.width)
         return Trajectory.sampled(
             request, seed=seed, lora_version=self._lora_version, images=images,
             latents=latents.cpu(), log_probs=log_probs.cpu(),

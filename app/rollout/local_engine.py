@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from app.metrics import PhaseTimer
 from app.models.compile import apply_compile, compile_counts
 from app.models.family import get_family
 from app.models.lora import ADAPTER_NAME, LoraShape, add_zero_lora, attach_lora, copy_into_lora, transformer_key
@@ -62,6 +63,7 @@ class LocalEngine:
         self._staged: tuple[LoraAdapter | None] | None = None  # (adapter,) waiting for the next group; None: none
         self._served = 0
         self._errors = 0
+        self.phases = PhaseTimer()  # the group being generated: `with self.phases("denoise"): ...`
 
     @classmethod
     def from_config(cls, model, rollout) -> LocalEngine:
@@ -116,9 +118,11 @@ class LocalEngine:
             frames = compile_counts()["frames"] if self.compiled else 0
             swap = self._apply_staged()
             started = time.perf_counter()
+            self.phases = PhaseTimer(sync=torch.cuda.synchronize if self.device.type == "cuda" else None)
             traj = self._generate(request, seed)
             traj.producer.update({"engine": self.kind, "pid": os.getpid(),
-                                  "seconds": time.perf_counter() - started, "adapter_swap_s": swap})
+                                  "seconds": time.perf_counter() - started, "adapter_swap_s": swap,
+                                  "phase_s": dict(self.phases.seconds)})  # encode / denoise / decode
             if self.compiled:  # steady state: the first stops growing and the second is 0 after the first groups
                 traj.producer["compile_frames"] = compile_counts()["frames"]
                 traj.producer["compile_frames_new"] = traj.producer["compile_frames"] - frames  # for this group

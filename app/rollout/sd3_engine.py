@@ -35,21 +35,24 @@ class SD3Engine(DiffusersEngine):
     @torch.no_grad()
     def _generate_group(self, request: GenerationRequest, seed: int) -> Trajectory:
         pipe, n = self.pipe, request.n
-        embeds, pooled = self._encode(request.prompt)
-        neg_embeds = neg_pooled = None
-        conditioning = {sd3.POOLED: pooled.float().cpu()}
-        if request.do_cfg:
-            neg_embeds, neg_pooled = self._encode(request.negative_prompt)
-            conditioning[sd3.NEGATIVE_POOLED] = neg_pooled.float().cpu()
+        with self.phases("encode"):
+            embeds, pooled = self._encode(request.prompt)
+            neg_embeds = neg_pooled = None
+            conditioning = {sd3.POOLED: pooled.float().cpu()}
+            if request.do_cfg:
+                neg_embeds, neg_pooled = self._encode(request.negative_prompt)
+                conditioning[sd3.NEGATIVE_POOLED] = neg_pooled.float().cpu()
         generators = sample_generators(seed, request.sample_offset, n)
         x = sd3.initial_latents(generators, pipe.transformer.config.in_channels, request.height, request.width,
                                 embeds.dtype, self.device)  # [n, C, h, w]
         timesteps, sigmas = sd3.schedule(pipe.scheduler, request.num_inference_steps)
         v = sd3.group_velocity(pipe.transformer, timesteps, embeds, pooled, neg_embeds, neg_pooled, batch=n,
                                guidance_scale=request.guidance_scale, device=self.device, dtype=embeds.dtype)
-        latents, log_probs = sample_trajectory(v, x, sigmas, request.step_noise_levels, sde_type=request.sde_type,
-                                               generators=generators)
-        images = sd3.decode_images(pipe.vae, latents[:, -1].to(device=self.device, dtype=x.dtype))
+        with self.phases("denoise"):
+            latents, log_probs = sample_trajectory(v, x, sigmas, request.step_noise_levels,
+                                                   sde_type=request.sde_type, generators=generators)
+        with self.phases("decode"):
+            images = sd3.decode_images(pipe.vae, latents[:, -1].to(device=self.device, dtype=x.dtype))
         mask = torch.ones(embeds.shape[0], dtype=torch.long)  # SD3 attends every text position
         return Trajectory.sampled(
             request, seed=seed, lora_version=self._lora_version, images=images, latents=latents.cpu(),

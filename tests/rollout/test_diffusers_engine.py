@@ -125,6 +125,7 @@ def test_an_engine_that_merges_samples_what_the_adapter_samples(diffusers_engine
     finally:
         aio(engine.close())
     assert merged.lora_version == 3 and health["lora_merged"] and not torch.equal(merged.latents, base.latents)
+    assert set(merged.producer["phase_s"]) == {"encode", "denoise", "decode"}  # where the group's time went
     torch.testing.assert_close(merged.latents, unmerged.latents, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(merged.log_probs, unmerged.log_probs, rtol=1e-4, atol=1e-4)
     assert again.lora_version == 0 and torch.equal(again.latents, base.latents)
