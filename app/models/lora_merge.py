@@ -76,19 +76,26 @@ class MergedLora:
 
     @torch.no_grad()
     def apply(self, adapter: LoraAdapter | None) -> None:
-        """Fold `adapter` in (None: the base model), replacing the adapter folded in before."""
+        """Fold `adapter` in (None: the base model), replacing the adapter folded in before. An adapter that does
+        not fit changes nothing; a failure halfway (out of memory) leaves the base model, never a mixture."""
         layers = adapter_layers(adapter) if adapter is not None else {}
         self._check(layers)
-        for name in self.merged - layers.keys():  # layers the previous adapter adapted and this one does not
-            self._weight(name).copy_(self.base[name], non_blocking=True)
-        scale = adapter.alpha / adapter.rank if adapter is not None else 0.0
-        for name, (a, b) in layers.items():
-            weight = self._weight(name)
-            work = torch.promote_types(weight.dtype, torch.float32)  # fp32, or a float64 model's own
-            base = self._keep(name).to(weight.device, non_blocking=True)
-            a = a.to(weight.device, work, non_blocking=True)
-            b = b.to(weight.device, work, non_blocking=True)
-            weight.copy_(torch.addmm(base.to(work), b, a, alpha=scale))  # one rounding to the weight's dtype
+        try:
+            for name in self.merged - layers.keys():  # layers the previous adapter adapted and this one does not
+                self._weight(name).copy_(self.base[name], non_blocking=True)
+            scale = adapter.alpha / adapter.rank if adapter is not None else 0.0
+            for name, (a, b) in layers.items():
+                weight = self._weight(name)
+                work = torch.promote_types(weight.dtype, torch.float32)  # fp32, or a float64 model's own
+                base = self._keep(name).to(weight.device, non_blocking=True)
+                a = a.to(weight.device, work, non_blocking=True)
+                b = b.to(weight.device, work, non_blocking=True)
+                weight.copy_(torch.addmm(base.to(work), b, a, alpha=scale))  # one rounding to the weight's dtype
+        except BaseException:
+            for name, base in self.base.items():
+                self._weight(name).copy_(base)
+            self.merged, self.adapter = set(), None
+            raise
         self.merged = set(layers)
         self.adapter = adapter
 

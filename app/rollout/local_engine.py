@@ -163,7 +163,11 @@ class LocalEngine:
         started = time.perf_counter()
         (adapter,) = staged
         if self._merged is not None:
-            self._merged.apply(adapter)
+            try:
+                self._merged.apply(adapter)
+            except Exception:
+                self._lora_version = 0 if self._merged.adapter is None else self._lora_version  # what it holds now
+                raise
             self._lora_version = adapter.version if adapter is not None else 0
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -127,6 +127,27 @@ def test_an_adapter_that_does_not_fit_changes_nothing(mangle, message):
     assert merger.adapter is good
 
 
+def test_a_merge_that_fails_halfway_leaves_the_base_model(monkeypatch):
+    """Out of memory on the second layer: the first layer's new weight must not stay beside the others' old ones."""
+    net = Net(torch.bfloat16)
+    base = _weights(net)
+    merger = MergedLora(net)
+    merger.apply(_adapter(1, rank=4))
+    calls, addmm = [], torch.addmm
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return addmm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "addmm", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        merger.apply(_adapter(2, rank=4, seed=7))
+    assert all(torch.equal(base[n], w) for n, w in _weights(net).items())
+    assert merger.adapter is None and merger.merged == set()
+
+
 def test_new_base_weights_take_the_adapter_again():
     net = Net(torch.float32)
     merger = MergedLora(net)
