@@ -331,6 +331,10 @@ class TrainConfig:
     # with model.compile: the share of activations compile's min-cut partitioner keeps for the backward (it
     # recomputes the cheapest of the rest), instead of gradient_checkpointing's whole-block recompute. null: off
     activation_memory_budget: float | None = None
+    # FSDP2's reshard_after_forward for each block: true frees a block's gathered weights after its forward and
+    # gathers them again for the backward; false keeps them (one all-gather less per block and pass, the whole
+    # unsharded model's memory while a pass runs). Only with several ranks, where the base is sharded
+    reshard_after_forward: bool = True
     # AdamW's fused CUDA kernel for the LoRA parameters (on GPUs; CPUs use the default implementation)
     fused_optimizer: bool = True
     # adapter versions a trained group may lag behind the policy. 0: strictly on-policy (each step waits for

@@ -70,7 +70,8 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
                                     dtype=getattr(torch, model.dtype),
                                     device=device, seed=train.seed, shard=True, shard_frozen=shard_frozen or None,
                                     gradient_checkpointing=train.gradient_checkpointing, compile=model.compile,
-                                    activation_memory_budget=train.activation_memory_budget)
+                                    activation_memory_budget=train.activation_memory_budget,
+                                    reshard_after_forward=train.reshard_after_forward)
     optimizer = make_optimizer(policy, train)
     shape = policy.transformer.config
     batch = [synthetic_group(config, policy.family, shape, g, train.seed) for g in range(groups)]
@@ -131,7 +132,8 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
         "micro_batch_size": train.micro_batch_size, "gradient_checkpointing": train.gradient_checkpointing,
         "compiled": policy.compiled, "compile_mode": str(model.compile.mode) if policy.compiled else None,
         "real_rope": bool(model.compile.real_rope) if policy.compiled else False, "shard_frozen": shard_frozen,
-        "activation_memory_budget": train.activation_memory_budget, "old_logprob": str(train.old_logprob),
+        "activation_memory_budget": train.activation_memory_budget,
+        "reshard_after_forward": train.reshard_after_forward, "old_logprob": str(train.old_logprob),
         "fused_optimizer": bool(optimizer.defaults.get("fused")),
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
         "compile_cache": cache_counts(), "compile_seconds": compile_seconds(),

@@ -279,7 +279,8 @@ def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> 
         target_modules=model.lora_targets,
         dtype=getattr(torch, model.dtype), device=device, seed=train.seed,
         adapter_tensors=restored.adapter if restored else None, gradient_checkpointing=train.gradient_checkpointing,
-        family=model.family, compile=model.compile, activation_memory_budget=train.activation_memory_budget)
+        family=model.family, compile=model.compile, activation_memory_budget=train.activation_memory_budget,
+        reshard_after_forward=train.reshard_after_forward)
     optimizer = make_optimizer(policy, train)
     state = checkpoint.TrainerState(seed=train.seed)
     adapter = None

@@ -56,6 +56,7 @@ class Policy:
         compile=None,
         activation_memory_budget: float | None = None,
         shard_frozen: bool | None = None,
+        reshard_after_forward: bool = True,
     ) -> Policy:
         """Load the family's denoiser (`ModelFamily.load_denoiser`), freeze it, add the LoRA (initialised from
         `seed`, or loaded from `adapter_tensors` when resuming), then shard it when a process group is up
@@ -63,7 +64,8 @@ class Policy:
         (real sizes need it). compile: a `model.compile` section; when enabled, each block the family names is
         compiled after FSDP2 wraps it. activation_memory_budget: the share of activations compile's partitioner
         keeps for the backward (`train.activation_memory_budget`; None: torch's default). shard_frozen: FSDP2 manages
-        the frozen base weights too (None: only with several ranks; `_fully_shard`)."""
+        the frozen base weights too (None: only with several ranks; `_fully_shard`). reshard_after_forward: FSDP2's,
+        for every unit (`train.reshard_after_forward`)."""
         device = torch.device(device)
         transformer = get_family(family).load_denoiser(model_path, dtype=dtype, device=device)
         policy = cls.with_lora(transformer, lora_rank=lora_rank, lora_alpha=lora_alpha,
@@ -72,7 +74,8 @@ class Policy:
         transformer.to(device)
         policy.sharded = dist.is_available() and dist.is_initialized() if shard is None else shard
         if policy.sharded:
-            _fully_shard(transformer, policy.family, dtype, shard_frozen=shard_frozen)
+            _fully_shard(transformer, policy.family, dtype, shard_frozen=shard_frozen,
+                         reshard_after_forward=reshard_after_forward)
         policy.compile(compile)
         if activation_memory_budget is not None:  # read when the blocks compile, at their first call
             torch._functorch.config.activation_memory_budget = activation_memory_budget
@@ -168,17 +171,20 @@ def load_adapter_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     return {transformer_key(k): v for k, v in state.items()}
 
 
-def _fully_shard(transformer, family: ModelFamily, dtype: torch.dtype, *, shard_frozen: bool | None = None) -> None:
+def _fully_shard(transformer, family: ModelFamily, dtype: torch.dtype, *, shard_frozen: bool | None = None,
+                 reshard_after_forward: bool = True) -> None:
     """FSDP2: one unit per block the family names (all-gathered only while it runs), then the root if it says so.
     shard_frozen: whether FSDP2 manages the frozen base weights too (None: only with several ranks). A rank that
     holds the whole model keeps them as they are: FSDP2 would copy every one of them into an unsharded buffer at
     every forward and backward (a world of one all-gathers nothing, yet still copies), where the LoRA it manages
-    alone computes the same numbers (tests/train/test_policy.py)."""
+    alone computes the same numbers (tests/train/test_policy.py). reshard_after_forward=False keeps each unit's
+    gathered weights from its forward to its backward: one all-gather less per unit and pass, at the memory of the
+    whole unsharded model while the pass runs."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # fp32 LoRA next to a bf16 base: all-gather and compute in the model dtype, reduce gradients in fp32
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
-    kwargs = {"mp_policy": mp} if mp is not None else {}
+    kwargs = {"reshard_after_forward": reshard_after_forward, **({"mp_policy": mp} if mp is not None else {})}
     if shard_frozen is None:
         shard_frozen = dist.get_world_size() > 1
     if not shard_frozen:
