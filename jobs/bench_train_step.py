@@ -4,7 +4,9 @@
     python -m jobs.bench_train_step --config configs/sd35m_ocr.yaml model.path=DIR data.prompts=ocr_tiny
 
 One process, one rank (a world of one: FSDP2 wraps the LoRA as the Ray Train worker does, the frozen base left as it
-is; `--shard-frozen`: FSDP2 manages the base too, as it does with several ranks), the run config's
+is; `--shard-frozen`: FSDP2 manages the base too, as it does with several ranks), or several under torchrun
+(`torchrun --nproc_per_node=2 -m jobs.bench_train_step ...`: the base sharded over the ranks, `--groups` groups on
+each, MFU over all their GPUs; `train.reshard_after_forward` is FSDP2's choice there), the run config's
 recipe: LoRA rank and targets, micro-batch, CFG, β·KL, gradient checkpointing. The batch is `--groups` groups of
 `rollout.group_size` sampled images in shape (the family's `shaped_trajectory`: random latents and prompt states,
 the cost does not depend on the values; `rollout.sde_window` places each group's window, whose steps are the ones
@@ -55,15 +57,28 @@ def synthetic_group(config, family, denoiser_config, group: int, seed: int) -> T
                                     torch.Generator().manual_seed(seed + group))
 
 
-def bench(config, groups: int, repeats: int, profile: str | None = None, shard_frozen: bool = False) -> dict:
-    cuda = torch.cuda.is_available()
+def _init_world(cuda: bool) -> tuple[int, int, torch.device]:
+    """(rank, world size, device): torchrun's world when it started this process, else a world of one."""
+    backend = "nccl" if cuda else "gloo"
+    if "WORLD_SIZE" in os.environ:  # torchrun
+        local = int(os.environ["LOCAL_RANK"])
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend)
+        return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local) if cuda else torch.device("cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # a free one: a fixed port can be taken by another process (Ray's)
         from torch.distributed.elastic.utils.distributed import get_free_port
 
         os.environ["MASTER_PORT"] = str(get_free_port())
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dist.init_process_group(backend, rank=0, world_size=1)
+    return 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu")
+
+
+def bench(config, groups: int, repeats: int, profile: str | None = None, shard_frozen: bool = False) -> dict | None:
+    """The result on rank 0 (None on the other ranks)."""
+    cuda = torch.cuda.is_available()
+    rank, world, device = _init_world(cuda)
     model, rollout, train = config.model, config.rollout, config.train
     policy = Policy.from_pretrained(model.path, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
                                     target_modules=model.lora_targets, family=str(model.family),
@@ -74,7 +89,8 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
                                     reshard_after_forward=train.reshard_after_forward)
     optimizer = make_optimizer(policy, train)
     shape = policy.transformer.config
-    batch = [synthetic_group(config, policy.family, shape, g, train.seed) for g in range(groups)]
+    batch = [synthetic_group(config, policy.family, shape, g, train.seed)
+             for g in range(rank * groups, (rank + 1) * groups)]  # this rank's groups
     advantages = [torch.randn(t.group_size, generator=torch.Generator().manual_seed(g)) for g, t in enumerate(batch)]
     # old log-probs at the steps each pass trains, scored up front so that its first ratios are 1, as in training
     # (old_logprob=trainer: the first pass scores its own)
@@ -85,6 +101,7 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
     stats = Stats()
 
     def one_pass(step: int) -> float:
+        """The pass's seconds on the slowest rank."""
         if cuda:
             torch.cuda.synchronize()
         began = time.perf_counter()
@@ -92,7 +109,9 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
                    old=old[step], stats=stats, mismatch=Stats())
         if cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() - began
+        seconds = torch.tensor(time.perf_counter() - began, dtype=torch.float64, device=device)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return seconds.item()
 
     warmup = one_pass(0)  # warm-up: allocator, kernels, optimizer state (and compilation)
     frames = compile_counts()["frames"]
@@ -114,32 +133,39 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
                 torch.cuda.synchronize()
             profiled_s = time.perf_counter() - began
         optimizer.zero_grad(set_to_none=True)
-        Path(profile).write_text(json.dumps({"micro_step_s": round(profiled_s, 3), "images": len(samples),
-                                             **kernel_time_by_kind(prof)}, indent=1))
-    images = groups * rollout.group_size
+        if rank == 0:
+            Path(profile).write_text(json.dumps({"micro_step_s": round(profiled_s, 3), "images": len(samples),
+                                                 **kernel_time_by_kind(prof)}, indent=1))
+    images = world * groups * rollout.group_size
     trained = len(trained_steps(batch[0].stochastic_steps, train.timestep_fraction, seed=train.seed, step=0,
                                 group=0, epoch=0))  # per image, each pass: the window's steps, or a fraction of all
     flops = [group_flops(policy.family, shape, traj, trained_steps=trained, kl=train.kl_beta > 0, sampled=False)
              for traj in batch]  # the trainer's share only: this bench samples nothing
-    useful = sum(f["train"] + f["reference"] for f in flops)
+    useful = world * sum(f["train"] + f["reference"] for f in flops)  # every rank's groups are shaped alike
+    ratio_dev = torch.tensor(stats.result().get("actor/ratio_dev_first_pass_max", 0.0), device=device)
+    dist.all_reduce(ratio_dev, op=dist.ReduceOp.MAX)
     dist.destroy_process_group()
+    if rank != 0:
+        return None
     return {
-        "bench": "train_step", "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "bench": "train_step", "device": torch.cuda.get_device_name() if cuda else "cpu", "world_size": world,
         "layers": shape.num_layers, "size": f"{rollout.width}x{rollout.height}", "images": images,
         "trained_steps": trained, "sde_window": rollout.sde_window.size, "cfg": rollout.guidance_scale,
         "kl_beta": train.kl_beta,
         "lora_rank": model.lora_rank, "lora_targets": len(model.lora_targets),
         "micro_batch_size": train.micro_batch_size, "gradient_checkpointing": train.gradient_checkpointing,
         "compiled": policy.compiled, "compile_mode": str(model.compile.mode) if policy.compiled else None,
-        "real_rope": bool(model.compile.real_rope) if policy.compiled else False, "shard_frozen": shard_frozen,
+        "real_rope": bool(model.compile.real_rope) if policy.compiled else False,
+        "shard_frozen": shard_frozen or world > 1,
         "activation_memory_budget": train.activation_memory_budget,
         "reshard_after_forward": train.reshard_after_forward, "old_logprob": str(train.old_logprob),
         "fused_optimizer": bool(optimizer.defaults.get("fused")),
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
         "compile_cache": cache_counts(), "compile_seconds": compile_seconds(),
-        "ratio_dev_first_pass_max": stats.result().get("actor/ratio_dev_first_pass_max"),
+        "ratio_dev_first_pass_max": ratio_dev.item(),
         "pass_s": round(seconds, 3), "ms_per_image_step": round(1000 * seconds / (images * trained), 1),
-        "useful_tflops": round(useful / seconds / 1e12, 1), "mfu": round(mfu(useful, seconds, 1), 4) if cuda else None,
+        "useful_tflops": round(useful / seconds / 1e12, 1),
+        "mfu": round(mfu(useful, seconds, world), 4) if cuda else None,
         "gpu_peak_gib": round(peak, 1) if cuda else None,
     }
 
@@ -155,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                              "forward: the wrapping before 2026-11-26, to compare against)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
-    emit_json_line(bench(load(args.config, args.overrides), args.groups, args.repeats, args.profile,
-                         args.shard_frozen))
+    result = bench(load(args.config, args.overrides), args.groups, args.repeats, args.profile, args.shard_frozen)
+    if result is not None:  # rank 0's
+        emit_json_line(result)
     return 0
 
 

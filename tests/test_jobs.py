@@ -25,6 +25,25 @@ def test_bench_rollout_prints_one_json_line(tmp_path):
     assert result["batched_over_per_sample"] > 0 and "trajectory_overhead_pct" in result
 
 
+def test_bench_train_step_shards_the_base_over_two_ranks_under_torchrun(tmp_path):
+    """`torchrun --nproc_per_node=2`: the base sharded over both ranks, each rank's own groups, one line from rank 0
+    counting both ranks' images; FSDP2 keeps the gathered blocks for the backward when told."""
+    build = subprocess.run([sys.executable, "-m", "jobs.make_tiny_models", "--preset", "tiny", "--out",
+                            str(tmp_path / "tiny")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+         "jobs.bench_train_step", "--config", "configs/tiny_cpu.yaml", "--groups", "1", "--repeats", "1",
+         f"model.path={tmp_path / 'tiny'}", "train.reshard_after_forward=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert result["world_size"] == 2 and result["images"] == 2 * 4 and result["shard_frozen"] is True
+    assert result["reshard_after_forward"] is False and result["pass_s"] > 0
+
+
 def test_bench_rollout_serves_an_adapter_merged_times_its_swap_and_profiles_a_group(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "jobs.bench_rollout", "--config", "configs/tiny_cpu.yaml", "--groups", "2",
