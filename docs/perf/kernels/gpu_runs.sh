@@ -2,7 +2,8 @@
 # Issue 36's levers side by side on one lent GPU: the Qwen-Image trainer and rollout benches before and after, one
 # device call per stage, back to back (the machine keeps /tmp only while calls follow each other). In the project
 # root with the device wheels installed and PYTHONPATH set:
-#   bash docs/perf/kernels/gpu_runs.sh setup | train_step VARIANT | rollout | rollout_merged | rollout_modes | cache
+#   bash docs/perf/kernels/gpu_runs.sh setup | train_step VARIANT | train_step_2rank | rollout | rollout_merged |
+#     rollout_modes | cache
 # VARIANT: before (FSDP2 copies the frozen base, diffusers' complex RoPE: the code of 2026-11-25), after (today's
 # defaults), budget (after, with compile's activation memory budget instead of whole-block recomputation).
 # The GPU image has no vllm: the rollout bench runs the diffusers engine.
@@ -25,6 +26,15 @@ case "$1" in
       --profile "$OUT/profile_train_$2.json" model.path=$MODEL model.compile.cache_dir=$CACHE "${extra[@]}" \
       2>"$OUT/train_step_$2.err" | tail -1 | sed "s/^{/{\"variant\": \"$2\", /" | tee -a "$OUT/bench_train_step.jsonl"
     tail -n 3 "$OUT/train_step_$2.err" ;;
+  train_step_2rank)  # two FSDP2 ranks (a 2-GPU machine), the base sharded: FSDP2 frees each block's gathered
+    # weights after its forward (true) or keeps them for the backward (false), 2 groups on each rank
+    for reshard in true false; do
+      timeout ${BENCH_TIMEOUT:-560} torchrun --standalone --nproc_per_node=2 -m jobs.bench_train_step --config $CFG \
+        --groups 2 --repeats 3 model.path=$MODEL model.compile.cache_dir=$CACHE train.reshard_after_forward=$reshard \
+        2>"$OUT/train_step_2rank_$reshard.err" | tail -1 | sed "s/^{/{\"variant\": \"reshard_$reshard\", /" \
+        | tee -a "$OUT/bench_train_step_2rank.jsonl"
+      tail -n 3 "$OUT/train_step_2rank_$reshard.err"
+    done ;;
   cache)  # the first compiled pass cold, then in a new process given a copy of that cache at another path (what a
     # fresh machine sees when the folder is carried to it); the folder comes back for a later lease's check
     rm -rf /tmp/ccA /tmp/ccB /tmp/torchinductor_* ~/.triton ~/.cache/triton
