@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from app.metrics import PhaseTimer
-from app.models.compile import apply_compile, compile_counts
+from app.models.compile import apply_compile, cache_counts, compile_counts
 from app.models.family import get_family
 from app.models.lora import ADAPTER_NAME, LoraShape, add_zero_lora, attach_lora, copy_into_lora, transformer_key
 from app.models.lora_merge import KEEP_ON, MergedLora
@@ -126,6 +126,7 @@ class LocalEngine:
             if self.compiled:  # steady state: the first stops growing and the second is 0 after the first groups
                 traj.producer["compile_frames"] = compile_counts()["frames"]
                 traj.producer["compile_frames_new"] = traj.producer["compile_frames"] - frames  # for this group
+                traj.producer["compile_cache"] = cache_counts()  # this process's hits and misses so far
             if self.device.type == "cuda":
                 traj.producer["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             return traj

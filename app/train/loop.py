@@ -194,6 +194,10 @@ def _compile_metrics(worker: Worker, groups: list[ScoredGroup]) -> dict[str, flo
     worker.compiled_frames = frames
     for name, count in cache_counts().items():  # the shared cache, as this worker's process met it
         out[f"compile/trainer_{name}_max"] = float(count)
+    for s in groups:  # and as each replica met it (in-process engines; a fresh machine given a cache: no misses)
+        for name, count in s.trajectory.producer.get("compile_cache", {}).items():
+            key = f"compile/rollout_{name}_max"
+            out[key] = max(out.get(key, 0.0), float(count))
     return out
 
 

@@ -152,6 +152,8 @@ def test_an_engine_that_merges_compiles_once_and_the_first_pass_stays_exact(comp
     finally:
         aio(engine.close())
     assert traj.lora_version == 1
+    assert set(traj.producer["compile_cache"]) == {"fx_hits", "fx_misses", "aot_hits", "aot_misses"}
+    assert traj.producer["compile_cache"]["fx_hits"] + traj.producer["compile_cache"]["fx_misses"] >= 1
     stats, mismatch, _ = _pass(policy, traj)
     assert stats["actor/ratio_dev_first_pass_max"] == 0.0
     assert 0 < mismatch["rollout/logprob_mismatch_max"] < 1e-4
