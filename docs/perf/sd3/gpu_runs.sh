@@ -18,6 +18,9 @@ ONE_GPU=(cluster.address=null rollout.num_replicas=1 rollout.replica_num_gpus=0.
          cluster.worker_num_gpus=0.5 reward.num_replicas=2 reward.replica_num_cpus=2 train.groups_per_step=2 train.checkpoint_every=0
          logging.image_every=0 eval.every=0)
 MODES=${MODES:-eager compiled}   # the benches' modes, one process each; MODES=compiled saves device time
+# issue 36's levers on the benches: EXTRA="key=value ..." adds overrides (e.g. train.gradient_checkpointing=false
+# train.activation_memory_budget=0.25, or rollout.merge_lora=true), FLAGS="--adapter --profile $OUT/p.json" options
+read -r -a EXTRA <<< "${EXTRA:-}"; read -r -a FLAGS <<< "${FLAGS:-}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 case "$1" in
@@ -30,14 +33,14 @@ case "$1" in
     for mode in $MODES; do
       extra=("${EAGER[@]}"); [ $mode = compiled ] && extra=("${COMPILED[@]}")
       timeout ${BENCH_TIMEOUT:-300} python -m jobs.bench_rollout --config configs/sd35m_ocr.yaml --groups 2 --repeats 3 --batched-only \
-        "${PATHS[@]}" "${extra[@]}" 2>"$OUT/$1_$mode.err" | tail -1 | tee -a "$OUT/bench_rollout.jsonl"
+        "${FLAGS[@]}" "${PATHS[@]}" "${extra[@]}" "${EXTRA[@]}" 2>"$OUT/$1_$mode.err" | tail -1 | tee -a "$OUT/bench_rollout.jsonl"
     done; tail -n 4 "$OUT"/$1_*.err ;;
   train_step)  # one group of 24, 9 of 10 steps trained, CFG 4.5, KL, checkpointing: eager then compiled
     for mode in $MODES; do
       extra=("${EAGER[@]}"); [ $mode = compiled ] && extra=("${COMPILED[@]}")
       timeout ${BENCH_TIMEOUT:-420} python -m jobs.bench_train_step --config configs/sd35m_ocr.yaml --groups 1 \
-        --repeats ${REPEATS:-3} \
-        "${PATHS[@]}" "${extra[@]}" 2>"$OUT/$1_$mode.err" | tail -1 | tee -a "$OUT/bench_train_step.jsonl"
+        --repeats ${REPEATS:-3} "${FLAGS[@]}" \
+        "${PATHS[@]}" "${extra[@]}" "${EXTRA[@]}" 2>"$OUT/$1_$mode.err" | tail -1 | tee -a "$OUT/bench_train_step.jsonl"
     done; tail -n 4 "$OUT"/$1_*.err ;;
   job_full|job_fast)  # jobs.train, the recipe on one GPU: s/step, img/s/GPU, effective MFU, first-pass ratio
     # (job_fast STEPS [OVERRIDE ...]: overrides after the one-GPU placement; NAME= names the run's files)
