@@ -36,7 +36,7 @@ from app.config import load
 from app.flops import group_flops, mfu
 from app.models.compile import cache_counts, compile_counts
 from app.models.family import get_family
-from app.models.lora import random_lora
+from app.types import LoraAdapter
 from deployments.rollout import make_engine
 from jobs.report import emit_json_line, kernel_time_by_kind
 
@@ -53,10 +53,26 @@ async def _timed(label: str, run, requests, repeats: int) -> tuple[float, list]:
     return statistics.median(times), results
 
 
-def _random_adapter(engine, model, version: int):
-    """A random adapter of the run's LoRA shape for `engine`'s module (made on it, so on its device)."""
-    return random_lora(engine.trained_module(), version=version, rank=model.lora_rank,
-                       target_modules=model.lora_targets, seed=version, scale=0.1)
+def _random_adapter(engine, model, version: int) -> LoraAdapter:
+    """A random adapter of the run's LoRA shape for `engine`'s module, made from its layers' shapes (CPU tensors;
+    the module itself is left as it is: peft would leave its wrappers behind in a merging engine's)."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    config = LoraConfig(r=model.lora_rank, lora_alpha=model.lora_alpha, target_modules=model.lora_targets)
+    g = torch.Generator().manual_seed(version)
+    tensors = {}
+    for name, module in engine.trained_module().named_modules():  # a Linear, or peft's wrapper of one
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and check_target_module_exists(config, name):
+            out_features, in_features = weight.shape
+            tensors[f"{name}.lora_A.weight"] = torch.randn(model.lora_rank, in_features, generator=g) / in_features**0.5
+            tensors[f"{name}.lora_B.weight"] = 0.01 * torch.randn(out_features, model.lora_rank, generator=g)
+    if not tensors:
+        raise SystemExit(f"--adapter: no linear layer of the model matches model.lora_target_modules="
+                         f"{model.lora_targets}")
+    return LoraAdapter(tensors, rank=model.lora_rank, alpha=model.lora_alpha, target_modules=model.lora_targets,
+                       version=version)
 
 
 async def _profile(engine, request, path: str) -> None:
