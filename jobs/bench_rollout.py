@@ -146,7 +146,7 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
         "compile_mode": str(config.model.compile.mode) if engine.compiled else None,
         "real_rope": bool(config.model.compile.real_rope) if engine.compiled else False,
         "adapter": adapter, "merge_lora": getattr(engine, "merge_lora", None),
-        "adapter_swap_s": round(swap, 3) if swap is not None else None,
+        "adapter_swap_s": round(swap, 5) if swap is not None else None,
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
         "compile_cache": cache_counts(),
         "batched_images_per_s": round(images / batched, 2),
