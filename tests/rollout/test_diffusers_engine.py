@@ -3,6 +3,7 @@
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
+from merging import assert_merged_is_the_adapter, sample_both_ways
 
 from app.models.lora import LoraShape, random_lora
 from app.rollout.diffusers_engine import DiffusersEngine
@@ -91,31 +92,20 @@ def test_an_engine_of_a_runs_lora_holds_it_from_the_start_frozen(diffusers_engin
 
 
 def test_an_engine_that_merges_samples_what_the_adapter_samples(diffusers_engine, aio, tiny_model_dir):
-    """`rollout.merge_lora`: the adapter folded into the weights, no peft layers in the module. In fp32 its groups
-    are the peft adapter's to rounding, the base model's bit for bit after `load_lora(None)`, and new base weights
-    (`update_weights`) take the adapter again."""
+    """`rollout.merge_lora`: the adapter folded into the weights, no peft layers in the module, which stays frozen.
+    In fp32 its groups are the peft adapter's to rounding, the base model's bit for bit after `load_lora(None)`;
+    new base weights (`update_weights`) take the adapter again, and unknown ones are refused."""
     request = GenerationRequest("a red cube", n=2, height=64, width=64, num_inference_steps=3, noise_level=0.7,
                                 sde_type="sde", seed=4)
     transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
     adapter = random_lora(transformer, version=3, rank=4, target_modules=["to_q", "to_v", "img_mlp.net.2"], seed=2,
                           scale=0.5)
-    base = aio(diffusers_engine.generate(request))
-    try:
-        aio(diffusers_engine.load_lora(adapter))
-        unmerged = aio(diffusers_engine.generate(request))
-    finally:
-        aio(diffusers_engine.load_lora(None))
     engine = DiffusersEngine(tiny_model_dir, lora=LoraShape(4, 4.0, ("to_q",)), merge_lora="device")
-    aio(engine.start())
     try:
+        groups = sample_both_ways(diffusers_engine, engine, request, adapter, aio)
         module = engine.trained_module()
         assert not any("lora_" in name for name, _ in module.named_modules())
-        aio(engine.load_lora(adapter))
-        merged = aio(engine.generate(request))
-        health = aio(engine.health())
-        aio(engine.load_lora(None))
-        again = aio(engine.generate(request))
-        # new base weights under the adapter: the merged engine and the peft one agree again
+        assert aio(engine.health())["lora_merged"]
         weights = {"transformer_blocks.0.attn.to_q.weight": 1.5 * transformer.transformer_blocks[0].attn.to_q.weight}
         aio(engine.load_lora(adapter))
         assert aio(engine.update_weights(weights)) == 1
@@ -124,10 +114,7 @@ def test_an_engine_that_merges_samples_what_the_adapter_samples(diffusers_engine
             aio(engine.update_weights({"transformer_blocks.0.attn.nowhere.weight": torch.zeros(2, 2)}))
     finally:
         aio(engine.close())
-    assert merged.lora_version == 3 and health["lora_merged"] and not torch.equal(merged.latents, base.latents)
-    assert set(merged.producer["phase_s"]) == {"encode", "denoise", "decode"}  # where the group's time went
-    torch.testing.assert_close(merged.latents, unmerged.latents, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(merged.log_probs, unmerged.log_probs, rtol=1e-4, atol=1e-4)
-    assert again.lora_version == 0 and torch.equal(again.latents, base.latents)
-    assert not torch.equal(reloaded.latents, merged.latents)
+    assert_merged_is_the_adapter(groups, version=3)
+    assert set(groups["merged"].producer["phase_s"]) == {"encode", "denoise", "decode"}  # where its time went
+    assert reloaded.lora_version == 3 and not torch.equal(reloaded.latents, groups["merged"].latents)
     assert not any(p.requires_grad for p in module.parameters())
