@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from app.algo.sde import SDE_TYPES
 from app.algo.sde_window import PLACEMENTS
+from app.models.attention import SDPA_KERNELS
 from app.models.family import FAMILY_NAMES, all_engines, get_family
 from app.rewards.composite import MODEL_REWARDS, REWARD_NAMES
 from app.rewards.ocr import DETECT_MIN_SIDE
@@ -121,6 +122,10 @@ class ModelConfig:
     lora_alpha: int = 64
     lora_target_modules: list[str] | None = None
     compile: CompileConfig = field(default_factory=CompileConfig)
+    # the kernels torch's scaled_dot_product_attention may choose among in the trainer and the in-process engines
+    # (cudnn, flash, efficient, math; app/models/attention.py); null: torch's own choice (cuDNN first on Hopper).
+    # vllm-omni's workers pick their own attention backend
+    attention_kernels: list[str] | None = None
 
     @property
     def lora_targets(self) -> list[str]:
@@ -507,6 +512,10 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     """The sections a Serve application is built from (a RunConfig has them too)."""
     model, rollout, reward, serve = config.model, config.rollout, config.reward, config.serve
     _require(model.lora_rank >= 1, f"model.lora_rank={model.lora_rank} must be >= 1")
+    _require(model.attention_kernels is None or (len(model.attention_kernels) > 0 and all(
+        k in SDPA_KERNELS for k in model.attention_kernels)),
+             f"model.attention_kernels={model.attention_kernels}: name one or more of {list(SDPA_KERNELS)} (or null: "
+             "torch's choice)")
     engines = get_family(model.family).engines
     _require(rollout.engine in engines,
              f"rollout.engine={rollout.engine} cannot run model.family={model.family}: use one of {list(engines)}")

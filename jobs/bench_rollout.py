@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from app.config import load
 from app.flops import group_flops, mfu
+from app.models.attention import sdpa_kernels
 from app.models.compile import cache_counts, compile_counts
 from app.models.family import get_family
 from app.types import LoraAdapter
@@ -146,6 +147,7 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
         "compile_mode": str(config.model.compile.mode) if engine.compiled else None,
         "real_rope": bool(config.model.compile.real_rope) if engine.compiled else False,
         "adapter": adapter, "merge_lora": getattr(engine, "merge_lora", None),
+        "attention_kernels": sdpa_kernels() if hasattr(engine, "trained_module") else None,  # vllm-omni: its own
         "adapter_swap_s": round(swap, 5) if swap is not None else None,
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
         "compile_cache": cache_counts(),

@@ -38,6 +38,7 @@ from app.algo.timesteps import trained_steps
 from app.config import load
 from app.flops import group_flops, mfu
 from app.metrics import Stats
+from app.models.attention import sdpa_kernels
 from app.models.compile import cache_counts, compile_counts, compile_seconds
 from app.train.policy import Policy
 from app.train.update import make_optimizer, recompute_log_probs, train_pass
@@ -86,7 +87,8 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
                                     device=device, seed=train.seed, shard=True, shard_frozen=shard_frozen or None,
                                     gradient_checkpointing=train.gradient_checkpointing, compile=model.compile,
                                     activation_memory_budget=train.activation_memory_budget,
-                                    reshard_after_forward=train.reshard_after_forward)
+                                    reshard_after_forward=train.reshard_after_forward,
+                                    attention_kernels=model.attention_kernels)
     optimizer = make_optimizer(policy, train)
     shape = policy.transformer.config
     batch = [synthetic_group(config, policy.family, shape, g, train.seed)
@@ -159,6 +161,7 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
         "shard_frozen": shard_frozen or world > 1,
         "activation_memory_budget": train.activation_memory_budget,
         "reshard_after_forward": train.reshard_after_forward, "old_logprob": str(train.old_logprob),
+        "attention_kernels": sdpa_kernels(),
         "fused_optimizer": bool(optimizer.defaults.get("fused")),
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
         "compile_cache": cache_counts(), "compile_seconds": compile_seconds(),

@@ -28,11 +28,13 @@ class DiffusersEngine(LocalEngine):
     family = FAMILY.name
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
-                 batched_groups: bool = True, compile=None, lora=None, merge_lora: str | None = None):
+                 batched_groups: bool = True, compile=None, lora=None, merge_lora: str | None = None,
+                 attention_kernels: list[str] | None = None):
         """batched_groups=False samples a group one image at a time (n forwards of batch 1 per step: the
-        comparison the benchmark makes); the images are the same either way. compile, lora, merge_lora:
-        `LocalEngine`'s."""
-        super().__init__(model_path, dtype=dtype, device=device, compile=compile, lora=lora, merge_lora=merge_lora)
+        comparison the benchmark makes); the images are the same either way. compile, lora, merge_lora,
+        attention_kernels: `LocalEngine`'s."""
+        super().__init__(model_path, dtype=dtype, device=device, compile=compile, lora=lora, merge_lora=merge_lora,
+                         attention_kernels=attention_kernels)
         self.batched_groups = batched_groups
         self.pipe = None
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from app.metrics import PhaseTimer
+from app.models.attention import use_sdpa_kernels
 from app.models.compile import apply_compile, cache_counts, compile_counts
 from app.models.family import get_family
 from app.models.lora import ADAPTER_NAME, LoraShape, add_zero_lora, attach_lora, copy_into_lora, transformer_key
@@ -41,17 +42,20 @@ class LocalEngine:
     family = ""  # the model family (app/models/) a subclass serves
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
-                 compile=None, lora: LoraShape | None = None, merge_lora: str | None = None):
+                 compile=None, lora: LoraShape | None = None, merge_lora: str | None = None,
+                 attention_kernels: list[str] | None = None):
         """compile: a `model.compile` section (None or off: eager); lora: the shape of the adapters this engine will
         serve (a run's model section), held from the start as the zero adapter (None: added when one arrives);
         merge_lora: None (a peft adapter beside the weights), or fold it into them, keeping the base weights' copy
-        on the "device" or the "host" (`rollout.merge_lora`, `rollout.merged_base_on`)."""
+        on the "device" or the "host" (`rollout.merge_lora`, `rollout.merged_base_on`); attention_kernels: the
+        kernels torch's attention may choose among in this process (`model.attention_kernels`; None: torch's)."""
         if merge_lora not in (None, *KEEP_ON):
             raise ValueError(f"merge_lora={merge_lora!r}: use None, {' or '.join(KEEP_ON)}")
         self.model_path = str(Path(model_path).resolve())
         self.compile = compile
         self.lora = lora
         self.merge_lora = merge_lora
+        self.attention_kernels = attention_kernels
         self._merged: MergedLora | None = None  # the folded adapter (merge_lora on)
         self.compiled = False
         self.dtype = getattr(torch, dtype)
@@ -69,7 +73,8 @@ class LocalEngine:
     def from_config(cls, model, rollout) -> LocalEngine:
         """The engine of a run config's model and rollout sections."""
         return cls(model.path, dtype=model.dtype, compile=model.compile, lora=LoraShape.of(model),
-                   merge_lora=str(rollout.merged_base_on) if rollout.merge_lora else None)
+                   merge_lora=str(rollout.merged_base_on) if rollout.merge_lora else None,
+                   attention_kernels=model.attention_kernels)
 
     # ---- what a subclass provides ----------------------------------------------------------------------------
 
@@ -99,6 +104,7 @@ class LocalEngine:
     def load(self) -> None:
         with self._lock:
             if not self.loaded:
+                use_sdpa_kernels(self.attention_kernels)
                 self.load_model()
                 module = self.trained_module()
                 if self.merge_lora is not None:

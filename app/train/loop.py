@@ -284,7 +284,7 @@ def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> 
         dtype=getattr(torch, model.dtype), device=device, seed=train.seed,
         adapter_tensors=restored.adapter if restored else None, gradient_checkpointing=train.gradient_checkpointing,
         family=model.family, compile=model.compile, activation_memory_budget=train.activation_memory_budget,
-        reshard_after_forward=train.reshard_after_forward)
+        reshard_after_forward=train.reshard_after_forward, attention_kernels=model.attention_kernels)
     optimizer = make_optimizer(policy, train)
     state = checkpoint.TrainerState(seed=train.seed)
     adapter = None

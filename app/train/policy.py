@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from app.algo.sde import SDEStepOutput
+from app.models.attention import use_sdpa_kernels
 from app.models.family import ModelFamily, get_family
 from app.models.lora import ADAPTER_NAME, transformer_key
 from app.train.gather import to_host
@@ -57,6 +58,7 @@ class Policy:
         activation_memory_budget: float | None = None,
         shard_frozen: bool | None = None,
         reshard_after_forward: bool = True,
+        attention_kernels: Sequence[str] | None = None,
     ) -> Policy:
         """Load the family's denoiser (`ModelFamily.load_denoiser`), freeze it, add the LoRA (initialised from
         `seed`, or loaded from `adapter_tensors` when resuming), then shard it when a process group is up
@@ -65,8 +67,10 @@ class Policy:
         compiled after FSDP2 wraps it. activation_memory_budget: the share of activations compile's partitioner
         keeps for the backward (`train.activation_memory_budget`; None: torch's default). shard_frozen: FSDP2 manages
         the frozen base weights too (None: only with several ranks; `_fully_shard`). reshard_after_forward: FSDP2's,
-        for every unit (`train.reshard_after_forward`)."""
+        for every unit (`train.reshard_after_forward`). attention_kernels: the kernels torch's attention may choose
+        among in this process (`model.attention_kernels`; None: torch's)."""
         device = torch.device(device)
+        use_sdpa_kernels(attention_kernels)
         transformer = get_family(family).load_denoiser(model_path, dtype=dtype, device=device)
         policy = cls.with_lora(transformer, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                target_modules=target_modules, seed=seed, adapter_tensors=adapter_tensors,

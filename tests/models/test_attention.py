@@ -1,0 +1,69 @@
+"""`model.attention_kernels` (app/models/attention.py): the kernels torch's attention may choose among, set in each
+process that runs the denoiser; an engine and a policy given a choice sample and score as with torch's (fp32, to
+the kernels' rounding)."""
+
+import pytest
+import torch
+
+from app.models.attention import SDPA_KERNELS, sdpa_kernels, use_sdpa_kernels
+from app.rollout.diffusers_engine import DiffusersEngine
+from app.types import GenerationRequest
+
+
+@pytest.fixture(autouse=True)
+def torchs_own_choice():
+    """Each test starts and ends with every kernel allowed (process-wide flags)."""
+    use_sdpa_kernels(SDPA_KERNELS)
+    yield
+    use_sdpa_kernels(SDPA_KERNELS)
+
+
+def test_only_the_named_kernels_are_allowed_and_none_leaves_them():
+    use_sdpa_kernels(["cudnn", "math"])
+    assert sdpa_kernels() == ["cudnn", "math"]
+    use_sdpa_kernels(None)
+    assert sdpa_kernels() == ["cudnn", "math"]
+    use_sdpa_kernels(["math"])
+    q = torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(0))
+    out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    reference = torch.softmax(q.double() @ q.double().transpose(-1, -2) / 2.0, dim=-1) @ q.double()
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernels", [[], ["fa3"], ["flash", "sage"]])
+def test_an_unknown_kernel_is_named_with_the_choices(kernels):
+    with pytest.raises(ValueError, match=r"name one or more of \['cudnn', 'flash', 'efficient', 'math'\]"):
+        use_sdpa_kernels(kernels)
+    assert sdpa_kernels() == list(SDPA_KERNELS)  # nothing changed
+
+
+def test_an_engine_given_kernels_samples_what_torchs_choice_samples(diffusers_engine, aio, tiny_model_dir):
+    request = GenerationRequest("a red cube", n=2, height=64, width=64, num_inference_steps=3, noise_level=0.7,
+                                sde_type="sde", seed=4)
+    reference = aio(diffusers_engine.generate(request))
+    engine = DiffusersEngine(tiny_model_dir, attention_kernels=["math"])
+    aio(engine.start())
+    try:
+        assert sdpa_kernels() == ["math"]
+        traj = aio(engine.generate(request))
+    finally:
+        aio(engine.close())
+    torch.testing.assert_close(traj.latents, reference.latents, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(traj.log_probs, reference.log_probs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_policy_given_kernels_scores_what_torchs_choice_scores(diffusers_engine, aio, tiny_model_dir):
+    from app.train.policy import Policy
+
+    traj = aio(diffusers_engine.generate(GenerationRequest("a red cube", n=2, height=64, width=64,
+                                                           num_inference_steps=3, noise_level=0.7, sde_type="sde",
+                                                           seed=5)))
+    scores = []
+    for kernels in (None, ["math"]):
+        policy = Policy.from_pretrained(tiny_model_dir, lora_rank=4, lora_alpha=4, target_modules=["to_q"],
+                                        shard=False, attention_kernels=kernels)
+        with torch.no_grad():
+            scores.append(torch.stack([o.log_prob for o in policy.score(traj, range(3), range(2))], dim=1))
+    assert sdpa_kernels() == ["math"]
+    torch.testing.assert_close(scores[1], scores[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(scores[0], traj.log_probs, rtol=1e-4, atol=1e-4)  # the engine's own
