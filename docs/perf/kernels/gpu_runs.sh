@@ -3,7 +3,7 @@
 # device call per stage, back to back (the machine keeps /tmp only while calls follow each other). In the project
 # root with the device wheels installed and PYTHONPATH set:
 #   bash docs/perf/kernels/gpu_runs.sh setup | train_step VARIANT | train_step_2rank | rollout | rollout_merged |
-#     rollout_modes | attention | cache
+#     rollout_mode MODE | attention | cache
 # VARIANT: before (FSDP2 copies the frozen base, diffusers' complex RoPE: the code of 2026-11-25), after (today's
 # defaults), budget (after, with compile's activation memory budget instead of whole-block recomputation).
 # The GPU image has no vllm: the rollout bench runs the diffusers engine.
@@ -74,12 +74,10 @@ case "$1" in
         | tail -1 | tee -a "$OUT/bench_rollout_merge.jsonl"
       tail -n 2 "$OUT/rollout_merge_$merge.err"
     done ;;
-  rollout_modes)  # torch.compile's modes for the engine's blocks: CUDA graphs (reduce-overhead) and autotuned
-    # kernels, against the default, each with one group profiled
-    for mode in default reduce-overhead max-autotune-no-cudagraphs; do
-      timeout ${BENCH_TIMEOUT:-400} python -m jobs.bench_rollout --config $CFG --groups 2 --repeats 3 --batched-only \
-        --profile "$OUT/profile_rollout_$mode.json" model.path=$MODEL model.compile.cache_dir=$CACHE \
-        model.compile.mode=$mode 2>"$OUT/rollout_$mode.err" | tail -1 | tee -a "$OUT/bench_rollout_modes.jsonl"
-      tail -n 2 "$OUT/rollout_$mode.err"
-    done ;;
+  rollout_mode)  # rollout_mode MODE: torch.compile's mode for the engine's blocks (default, reduce-overhead: CUDA
+    # graphs, max-autotune-no-cudagraphs: autotuned kernels), one group profiled; one mode per call (autotuning is long)
+    timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_rollout --config $CFG --groups 2 --repeats 3 --batched-only \
+      --profile "$OUT/profile_rollout_$2.json" model.path=$MODEL model.compile.cache_dir=$CACHE \
+      model.compile.mode=$2 2>"$OUT/rollout_$2.err" | tail -1 | tee -a "$OUT/bench_rollout_modes.jsonl"
+    tail -n 2 "$OUT/rollout_$2.err" ;;
 esac
