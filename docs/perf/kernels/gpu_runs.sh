@@ -3,7 +3,7 @@
 # device call per stage, back to back (the machine keeps /tmp only while calls follow each other). In the project
 # root with the device wheels installed and PYTHONPATH set:
 #   bash docs/perf/kernels/gpu_runs.sh setup | train_step VARIANT | train_step_2rank | rollout | rollout_merged |
-#     rollout_mode MODE | attention | cache
+#     rollout_mode MODE | attention KERNEL | cache
 # VARIANT: before (FSDP2 copies the frozen base, diffusers' complex RoPE: the code of 2026-11-25), after (today's
 # defaults), budget (after, with compile's activation memory budget instead of whole-block recomputation).
 # The GPU image has no vllm: the rollout bench runs the diffusers engine.
@@ -35,16 +35,15 @@ case "$1" in
         | tee -a "$OUT/bench_train_step_2rank.jsonl"
       tail -n 3 "$OUT/train_step_2rank_$reshard.err"
     done ;;
-  attention)  # the attention kernel forced (model.attention_kernels) against torch's choice, trainer then rollout
-    for kernels in default cudnn flash efficient; do
-      extra=(); [ $kernels != default ] && extra=("model.attention_kernels=[$kernels]")
-      timeout ${BENCH_TIMEOUT:-300} python -m jobs.bench_train_step --config $CFG --groups 2 --repeats 2 \
-        model.path=$MODEL model.compile.cache_dir=$CACHE "${extra[@]}" 2>"$OUT/attention_train_$kernels.err" \
-        | tail -1 | sed "s/^{/{\"variant\": \"$kernels\", /" | tee -a "$OUT/bench_attention.jsonl"
-      timeout ${BENCH_TIMEOUT:-200} python -m jobs.bench_rollout --config $CFG --groups 2 --repeats 2 --batched-only \
-        model.path=$MODEL model.compile.cache_dir=$CACHE "${extra[@]}" 2>"$OUT/attention_rollout_$kernels.err" \
-        | tail -1 | sed "s/^{/{\"variant\": \"$kernels\", /" | tee -a "$OUT/bench_attention.jsonl"
-    done ;;
+  attention)  # attention KERNEL: the attention kernel forced (model.attention_kernels; default: torch's choice),
+    # the trainer bench then the rollout bench; one kernel per call
+    extra=(); [ $2 != default ] && extra=("model.attention_kernels=[$2]")
+    timeout ${BENCH_TIMEOUT:-330} python -m jobs.bench_train_step --config $CFG --groups 2 --repeats 2 \
+      model.path=$MODEL model.compile.cache_dir=$CACHE "${extra[@]}" 2>"$OUT/attention_train_$2.err" \
+      | tail -1 | sed "s/^{/{\"variant\": \"$2\", /" | tee -a "$OUT/bench_attention.jsonl"
+    timeout ${BENCH_TIMEOUT2:-230} python -m jobs.bench_rollout --config $CFG --groups 2 --repeats 2 --batched-only \
+      model.path=$MODEL model.compile.cache_dir=$CACHE "${extra[@]}" 2>"$OUT/attention_rollout_$2.err" \
+      | tail -1 | sed "s/^{/{\"variant\": \"$2\", /" | tee -a "$OUT/bench_attention.jsonl" ;;
   cache)  # the first compiled pass cold, then in a new process given a copy of that cache at another path (what a
     # fresh machine sees when the folder is carried to it); the folder comes back for a later lease's check
     rm -rf /tmp/ccA /tmp/ccB /tmp/torchinductor_* ~/.triton ~/.cache/triton
