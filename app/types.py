@@ -368,13 +368,24 @@ class PackedLora:
         return int(self.buffer.nbytes)
 
     def unpack(self, device: str | torch.device = "cpu") -> LoraAdapter:
-        """The adapter, its tensors views of one copy of the buffer on `device`."""
+        """The adapter, its tensors views of one copy of the buffer on `device`. A GPU copy runs on a stream of its
+        own: on the default stream it would wait behind the generation kernels queued there."""
         import warnings
 
         with warnings.catch_warnings():  # the object store's buffer is read-only; it is only read (copied) here
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(self.buffer)
-        data = data.to(device, non_blocking=False) if torch.device(device).type != "cpu" else data.clone()
+        device = torch.device(device)
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                data = data.pin_memory().to(device, non_blocking=True)
+            stream.synchronize()
+            data.record_stream(torch.cuda.default_stream(device))  # read there later: freed only after that
+        elif device.type != "cpu":
+            data = data.to(device)
+        else:
+            data = data.clone()
         tensors = {}
         for name, dtype_name, shape, offset in self.index:
             dtype = getattr(torch, dtype_name)

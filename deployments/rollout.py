@@ -90,8 +90,8 @@ class RolloutReplica:
             # arrived (a run resets to the base model before it publishes a version number again)
             if version > 0 and version == self.engine.lora_version:
                 return version
-            if isinstance(adapter, PackedLora):
-                adapter = adapter.unpack(getattr(self.engine, "device", "cpu"))
+            if isinstance(adapter, PackedLora):  # off the event loop: requests go on being answered meanwhile
+                adapter = await asyncio.to_thread(adapter.unpack, getattr(self.engine, "device", "cpu"))
             if 0 < version < self.engine.lora_version:  # a restarted run publishes an earlier version again
                 await self.engine.load_lora(None)
             return await self.engine.load_lora(adapter)
