@@ -135,3 +135,19 @@ def test_an_edit_request_and_a_bagel_trajectory():
         _traj(family="bagel", prompt_embeds=None, prompt_mask=None, conditioning={"edit_grid": ids})
     with pytest.raises(ValueError, match="must carry its conditioning"):  # neither form
         _traj(family="bagel", prompt_embeds=None, prompt_mask=None, conditioning={})
+
+
+@pytest.mark.gpu
+def test_a_packed_adapter_unpacks_onto_a_gpu_while_the_default_stream_is_busy():
+    """The copy runs on a stream of its own (the replica's generation queues kernels on the default stream); the
+    tensors are whole when `unpack` returns, and the default stream reads them as they are."""
+    tensors = {"blocks.0.attn.to_q.lora_A.weight": torch.randn(64, 3072),
+               "blocks.0.attn.to_q.lora_B.weight": torch.randn(3072, 64)}
+    packed = LoraAdapter(tensors, rank=64, alpha=64, target_modules=["to_q"], version=3).packed()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(50):  # a queue of work on the default stream
+        busy = busy @ busy / 4096**0.5
+    back = packed.unpack("cuda")
+    for name, tensor in tensors.items():
+        assert back.tensors[name].is_cuda and torch.equal(back.tensors[name].cpu(), tensor)
+    torch.cuda.synchronize()
