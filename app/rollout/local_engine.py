@@ -173,7 +173,8 @@ class LocalEngine:
             try:
                 self._merged.apply(adapter)
             except Exception:
-                self._lora_version = 0 if self._merged.adapter is None else self._lora_version  # what it holds now
+                if self._merged.adapter is None:  # a failure halfway left the base model
+                    self._lora_version = 0
                 raise
             self._lora_version = adapter.version if adapter is not None else 0
             if self.device.type == "cuda":
