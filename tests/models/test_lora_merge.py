@@ -113,7 +113,7 @@ def test_the_merged_forward_is_the_adapters_forward():
     (lambda t: {**t, "transformer.blocks.1.ff.lora_A.weight": torch.zeros(4, 16)}, "do not fit its weight"),
     (lambda t: {k: v for k, v in t.items() if k != "transformer.blocks.1.ff.lora_B.weight"},
      "has only one of lora_A / lora_B"),
-])
+], ids=["unknown-layer", "wrong-shape", "half-a-pair"])
 def test_an_adapter_that_does_not_fit_changes_nothing(mangle, message):
     net = Net(torch.bfloat16)
     merger = MergedLora(net)
