@@ -7,8 +7,11 @@
 # Once both lanes are done, `quad` runs on all four GPUs one after another (its own cluster).
 #   bash docs/perf/scale/gpu_lanes.sh start [quad|learn4] | wait 540 [a|b|q] | collect
 # The lanes of a lease are this script's functions; git history has each lease's (docs/perf/scale/README.md).
+# The inductor cache of every run (gpu_runs.sh's /tmp/compile_cache) goes home in $OUT/compile_cache_scale.tgz; a
+# later lease that carries it back (`carry: [".devcache"]`, the file at $SEED) starts its first steps warm.
 set -uo pipefail
 RES=/tmp/lanes; RUNS=docs/perf/scale/gpu_runs.sh
+SEED=${SEED_CACHE:-.devcache/compile_cache_scale.tgz}
 # the learning check (issue 34 point 4): 40 steps, the eval set's JPEG reward every 10 (16 held-out prompts,
 # deterministic), before the first step too
 LEARN=(train.max_staleness=1 eval.every=10 eval.before_train=true eval.prompts=ocr_eval eval.max_prompts=16)
@@ -51,11 +54,15 @@ learn4() {  # the lease after: the learning check and the kill on the best 4-GPU
 pack() {  # logs, metrics, eval results and curves; no checkpoints, images or tensorboard
   (cd /tmp && tar czf $OUT/lanes.tgz --exclude=checkpoints --exclude=images --exclude=tensorboard \
     --exclude='*.npz' --exclude=compile_cache --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' lanes runs 2>/dev/null)
+  [ -d /tmp/compile_cache ] && tar czf $OUT/compile_cache_scale.tgz -C /tmp compile_cache \
+    && echo "compile cache: $(du -sh /tmp/compile_cache | cut -f1), $(du -h $OUT/compile_cache_scale.tgz | cut -f1) packed"
   for f in $RES/*/*.log; do echo "== $f"; grep "\[flowgrpo\] step\|exit\|rror" $f | tail -n 3; done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
 }
 case "$1" in
-  start) mkdir -p $RES; bash $RUNS build
+  start) mkdir -p $RES
+         [ -f $SEED ] && tar xzf $SEED -C /tmp && echo "compile cache seeded from $SEED"
+         bash $RUNS build
          setsid bash $0 lane_a > $RES/lane_a.out 2>&1 < /dev/null &
          setsid bash $0 lane_b > $RES/lane_b.out 2>&1 < /dev/null &
          setsid bash $0 ${2:-quad} > $RES/quad.out 2>&1 < /dev/null &
