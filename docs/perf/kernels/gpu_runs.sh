@@ -3,7 +3,7 @@
 # device call per stage, back to back (the machine keeps /tmp only while calls follow each other). In the project
 # root with the device wheels installed and PYTHONPATH set:
 #   bash docs/perf/kernels/gpu_runs.sh setup | train_step VARIANT | train_step_2rank | rollout | rollout_merged |
-#     rollout_mode MODE | attention KERNEL | cache
+#     rollout_mode MODE | attention KERNEL | cache | pack
 # VARIANT: before (FSDP2 copies the frozen base, diffusers' complex RoPE: the code of 2026-11-25), after (today's
 # defaults), budget (after, with compile's activation memory budget instead of whole-block recomputation).
 # The GPU image has no vllm: the rollout bench runs the diffusers engine.
@@ -17,8 +17,11 @@ BUDGET=(train.gradient_checkpointing=false train.activation_memory_budget=${BUDG
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 case "$1" in
-  setup)  # the real-size random Qwen-Image (60 blocks, 20.4B, bf16)
+  setup)  # the real-size random Qwen-Image (60 blocks, 20.4B, bf16); the benches' cache seeded from an earlier
+    # lease's (`pack`), when carried (`carry: [".devcache"]`)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+    seed=${SEED_CACHE:-.devcache/compile_cache_kernels.tgz}
+    [ -f $seed ] && tar xzf $seed -C /tmp && echo "compile cache seeded from $seed"
     python -m jobs.make_tiny_models --preset qwen-image-full --out $MODEL 2>&1 | tail -1 ;;
   train_step)  # 2 groups of 8 at 512², CFG 4, 2 of 10 steps trained (the config's recipe), compiled
     extra=(); [ $2 = before ] && extra=("${BEFORE[@]}"); [ $2 = budget ] && extra=("${BUDGET[@]}")
@@ -79,4 +82,6 @@ case "$1" in
       --profile "$OUT/profile_rollout_$2.json" model.path=$MODEL model.compile.cache_dir=$CACHE \
       model.compile.mode=$2 2>"$OUT/rollout_$2.err" | tail -1 | tee -a "$OUT/bench_rollout_modes.jsonl"
     tail -n 2 "$OUT/rollout_$2.err" ;;
+  pack)  # the benches' inductor cache, for the next lease
+    tar czf "$OUT/compile_cache_kernels.tgz" -C /tmp compile_cache && du -h "$OUT/compile_cache_kernels.tgz" ;;
 esac
