@@ -68,7 +68,8 @@ case "$1" in
   rollout_merged)  # a served adapter (r=64, the config's 12 targets) beside the weights (peft) against folded
     # into them (rollout.merge_lora), compiled, then the swap to a second version, then one group profiled (how
     # busy the GPU is: what CUDA graphs could win). The adapted weights' copy: on the
-    # host by default (27 GB of them: the device copy fits an H200's memory, not an H100's); MERGE_ON=device there
+    # host by default (27 GB of them). With the real 7B text encoder only an H200 replica has room for the device
+    # copy; the random checkpoint's encoder has 2 layers, so MERGE_ON=device fits an H100 here (about 68 GB)
     for merge in false true; do
       timeout ${BENCH_TIMEOUT:-280} python -m jobs.bench_rollout --config $CFG --groups 2 --repeats 3 --batched-only \
         --adapter --profile "$OUT/profile_rollout_merge_$merge.json" model.path=$MODEL model.compile.cache_dir=$CACHE rollout.merge_lora=$merge \
