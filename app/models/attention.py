@@ -1,8 +1,10 @@
 """Which kernels torch's scaled_dot_product_attention may choose among in this process (`model.attention_kernels`):
 every family's attention goes through it (diffusers' native backend, SD3's processors, our BAGEL). torch picks the
 first that fits the inputs in its own order (cuDNN first on Hopper); allowing only some forces the choice, which is
-how they are measured against each other. Process-wide flags, read when a kernel is chosen (under torch.compile:
-when the block is traced), so each process that runs the denoiser sets them before its first forward."""
+how they are measured against each other (strictly: when none of the allowed kernels takes the inputs, torch
+raises "No viable backend"; math takes every input). Process-wide flags, read when a kernel is chosen (under
+torch.compile: when the block is traced), so each process that runs the denoiser sets them before its first
+forward."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@
 # The GPU image has no vllm: the rollout bench runs the diffusers engine.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-MODEL=/tmp/qwen-image-full
+MODEL=${MODEL:-/tmp/qwen-image-full}
 CACHE=/tmp/compile_cache
-CFG=configs/qwen_image_ocr_2gpu.yaml
+CFG=${CFG:-configs/qwen_image_ocr_2gpu.yaml}  # MODEL=, CFG=: a dry run on the CPU with a tiny model
 BEFORE=(--shard-frozen model.compile.real_rope=false)
 BUDGET=(train.gradient_checkpointing=false train.activation_memory_budget=${BUDGET:-0.5})
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
