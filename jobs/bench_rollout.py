@@ -39,7 +39,7 @@ from app.models.compile import cache_counts, compile_counts
 from app.models.family import get_family
 from app.types import LoraAdapter
 from deployments.rollout import make_engine
-from jobs.report import emit_json_line, kernel_time_by_kind
+from jobs.report import emit_json_line, profiled
 
 PROMPTS = ['a sign that says "OPEN"', "a red cube on a blue table", "a photo of a cat", 'text reading "HELLO"']
 
@@ -78,18 +78,10 @@ def _random_adapter(engine, model, version: int) -> LoraAdapter:
 
 async def _profile(engine, request, path: str) -> None:
     """One group under the profiler (the engine's kernels run in this process)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    cuda = torch.cuda.is_available()
-    with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        began = time.perf_counter()
+    with profiled() as out:
         await engine.generate(request)
-        if cuda:
-            torch.cuda.synchronize()
-        group_s = time.perf_counter() - began
-    kernels = kernel_time_by_kind(prof)
-    busy = round(kernels["gpu_s_total"] / group_s, 3) if cuda else None
+    kernels, group_s = out["kernels"], out["seconds"]
+    busy = round(kernels["gpu_s_total"] / group_s, 3) if torch.cuda.is_available() else None
     Path(path).write_text(json.dumps({"group_s": round(group_s, 3), "images": request.n, "gpu_busy": busy,
                                       **kernels}, indent=1))
 

@@ -43,7 +43,7 @@ from app.models.compile import cache_counts, compile_counts, compile_seconds
 from app.train.policy import Policy
 from app.train.update import make_optimizer, recompute_log_probs, train_pass
 from app.types import Trajectory
-from jobs.report import emit_json_line, kernel_time_by_kind
+from jobs.report import emit_json_line, profiled
 
 
 def synthetic_group(config, family, denoiser_config, group: int, seed: int) -> Trajectory:
@@ -121,23 +121,16 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
     frames = compile_counts()["frames"] - frames
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     if profile:  # one micro-batch of one trained step (forward, reference, backward): the repeating unit
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
         from app.train.update import step_loss
 
         traj, samples = batch[0], list(range(train.micro_batch_size))
-        with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            began = time.perf_counter()
+        with profiled() as out:
             loss, _ = step_loss(policy, train, traj, 0, samples, advantages[0][samples], old[0][0][samples, 0])
             loss.backward()
-            if cuda:
-                torch.cuda.synchronize()
-            profiled_s = time.perf_counter() - began
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:
-            Path(profile).write_text(json.dumps({"micro_step_s": round(profiled_s, 3), "images": len(samples),
-                                                 **kernel_time_by_kind(prof)}, indent=1))
+            Path(profile).write_text(json.dumps({"micro_step_s": round(out["seconds"], 3), "images": len(samples),
+                                                 **out["kernels"]}, indent=1))
     images = world * groups * rollout.group_size
     trained = len(trained_steps(batch[0].stochastic_steps, train.timestep_fraction, seed=train.seed, step=0,
                                 group=0, epoch=0))  # per image, each pass: the window's steps, or a fraction of all

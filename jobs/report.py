@@ -3,6 +3,8 @@
 import json
 import os
 import sys
+import time
+from contextlib import contextmanager
 
 
 def emit_json_line(result: dict) -> None:
@@ -33,3 +35,21 @@ def kernel_time_by_kind(profiler) -> dict:
             "gpu_s_total": round(sum(by_kind.values()), 3),
             "top_kernels": [{"name": e.key[:120], "gpu_s": round(e.self_device_time_total / 1e6, 4),
                              "calls": e.count} for e in top]}
+
+
+@contextmanager
+def profiled():
+    """`with profiled() as out:` runs the block under torch's profiler (the GPU's kernels, or the CPU's without one);
+    after it, `out["seconds"]` is its wall time, the GPU drained, and `out["kernels"]` its `kernel_time_by_kind`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    out: dict = {}
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        began = time.perf_counter()
+        yield out
+        if cuda:
+            torch.cuda.synchronize()
+        out["seconds"] = time.perf_counter() - began
+    out["kernels"] = kernel_time_by_kind(prof)
