@@ -145,12 +145,12 @@ def read_adapter(path: str | Path, *, version: int) -> LoraAdapter:
         raise ValueError(f"{weights}: not a LoRA in peft/diffusers naming (<module>.lora_A.weight / .lora_B.weight"
                          f"{'' if ranks else ', none found'}; ranks {sorted(ranks)})")
     rank = ranks.pop()
-    targets = meta.get("target_modules") or sorted({_module(k).rsplit(".", 1)[-1] for k in tensors})
+    targets = meta.get("target_modules") or sorted({lora_module(k).rsplit(".", 1)[-1] for k in tensors})
     return LoraAdapter(tensors, rank=rank, alpha=float(meta.get("lora_alpha") or rank),
                        target_modules=sorted(targets), version=version)
 
 
-def _module(key: str) -> str:
+def lora_module(key: str) -> str:
     """The module a LoRA tensor belongs to: `a.b.lora_A.weight` -> `a.b`."""
     return key.split(".lora_A.")[0].split(".lora_B.")[0]
 
@@ -160,7 +160,7 @@ def adapter_problem(adapter: LoraAdapter, *, family, rank: int, targets: list[st
     cannot serve `adapter`, naming the setting to change; None when they can."""
     from app.models.family import FAMILY_NAMES, get_family
 
-    modules = sorted({_module(k) for k in adapter.tensors})
+    modules = sorted({lora_module(k) for k in adapter.tensors})
     if foreign := [m for m in modules if m.split(".", 1)[0] not in family.adapter_roots]:
         owner = [name for name in FAMILY_NAMES
                  if all(m.split(".", 1)[0] in get_family(name).adapter_roots for m in modules)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from app.models.lora import transformer_key
+from app.models.lora import lora_module, transformer_key
 from app.types import LoraAdapter
 
 KEEP_ON = ("device", "host")
@@ -25,9 +25,8 @@ def adapter_layers(adapter: LoraAdapter) -> dict[str, tuple[torch.Tensor, torch.
     """{module name: (A [r, in], B [out, r])} of an adapter's tensors (peft or diffusers names)."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in adapter.tensors.items():
-        name = transformer_key(key)
-        side = "A" if ".lora_A." in name else "B"  # LoraAdapter admits no other names
-        parts.setdefault(name.split(f".lora_{side}.")[0], {})[side] = tensor
+        side = "A" if ".lora_A." in key else "B"  # LoraAdapter admits no other names
+        parts.setdefault(lora_module(transformer_key(key)), {})[side] = tensor
     missing = [m for m, p in parts.items() if len(p) != 2]
     if missing:
         raise ValueError(f"LoRA layer {missing[0]!r} has only one of lora_A / lora_B")
