@@ -15,9 +15,23 @@ happens. A Serve application built while it is set passes it to its replicas (`d
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 ENV = "RAY_FLOWGRPO_CRASH"
+# Serve's router sends a request elsewhere itself when its replica dies before acknowledging it (the strict
+# max-ongoing-requests handshake), so the caller never sees that death; a replica dying this long after a request
+# began has surely acknowledged it, as one dying mid-generation has
+ACKNOWLEDGED_S = 0.5
+
+
+def _armed(point: str, key: int | str) -> bool:
+    """Whether some spec names this point and key and its marker is not there yet."""
+    for spec in filter(None, os.environ.get(ENV, "").split(",")):
+        target, _, marker = spec.partition("@")
+        if target == f"{point}={key}" and marker and not os.path.exists(marker):
+            return True
+    return False
 
 
 def crash_point(point: str, key: int | str) -> None:
@@ -30,3 +44,11 @@ def crash_point(point: str, key: int | str) -> None:
         except FileExistsError:  # another process crashed here already
             continue
         os._exit(1)
+
+
+async def crash_point_in_request(point: str, key: int | str) -> None:
+    """`crash_point` from a request handler, once the request is surely acknowledged (ACKNOWLEDGED_S): the caller
+    sees the replica die and retries, as after a real death mid-generation. Not armed: returns at once."""
+    if _armed(point, key):
+        await asyncio.sleep(ACKNOWLEDGED_S)
+        crash_point(point, key)

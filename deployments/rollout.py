@@ -8,7 +8,7 @@ import os
 import socket
 
 from app.config import ModelConfig, RolloutConfig
-from app.faults import crash_point
+from app.faults import crash_point, crash_point_in_request
 from app.models.family import get_family
 from app.types import GenerationRequest, LoraAdapter, PackedLora, RequestError, Trajectory
 
@@ -62,8 +62,8 @@ class RolloutReplica:
             if wanted != self.engine.lora_version:
                 raise AdapterUnavailable(f"the group asks for adapter version {wanted}; replica {self.replica_id} "
                                          f"serves {self.engine.lora_version}, the same as the adapter store")
-        crash_point("rollout.generate", request.group_id)  # tests only: a replica dying mid-generation
-        crash_point("rollout.seed", request.seed)  # the same, for requests of no group (evaluations)
+        await crash_point_in_request("rollout.generate", request.group_id)  # tests only: dying mid-generation
+        await crash_point_in_request("rollout.seed", request.seed)  # the same, for requests of no group (evals)
         traj = await self.engine.generate(request)
         traj.producer["replica"] = self.replica_id
         return traj
