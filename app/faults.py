@@ -3,7 +3,8 @@ killed or preempted one would (`os._exit`: no exception, no cleanup, Ray sees th
 
     RAY_FLOWGRPO_CRASH="rollout.load_lora=3@/tmp/run/crash-1,rollout.generate=5@/tmp/run/crash-2"
 
-makes the first process that loads adapter version 3 die, and the first that starts generating group 5. A
+makes the first process that loads adapter version 3 die, and the first that starts generating group 5 (half a
+second in: `crash_point_in_request`, so the caller, not Serve's router, sees the death). A
 marker file is created atomically by the process that crashes, so exactly one process crashes once per marker,
 whichever replica gets there first. Points that exist: `rollout.load_lora` (key: the adapter version being
 loaded), `rollout.generate` (key: the group's `group_id`) and `rollout.seed` (key: the request's seed; evaluation

@@ -4,7 +4,7 @@ One run of `python -m jobs.train` on the tiny config (2 vllm-omni rollout replic
 workers, a checkpoint every 2 steps, 6 steps) loses four processes of the long-lived job cluster it joins (with
 the Serve application the uninterrupted run left there) while it trains:
 
-- a Rollout replica dies as it starts generating group 5 (step 2, with other groups in flight on it);
+- a Rollout replica dies just after it starts generating group 5 (step 2, with other groups in flight on it);
 - a Reward replica is SIGKILLed from outside when step 2's progress line prints;
 - a training worker is SIGKILLed from outside when step 3's line prints: the worker group restarts from the
   checkpoint of step 2 and runs steps 3.. again;
