@@ -37,6 +37,7 @@ from app.flops import group_flops, mfu
 from app.models.attention import sdpa_kernels
 from app.models.compile import cache_counts, compile_counts
 from app.models.family import get_family
+from app.models.lora import random_lora
 from app.types import LoraAdapter
 from deployments.rollout import make_engine
 from jobs.report import emit_json_line, profiled
@@ -55,25 +56,12 @@ async def _timed(label: str, run, requests, repeats: int) -> tuple[float, float,
 
 
 def _random_adapter(engine, model, version: int) -> LoraAdapter:
-    """A random adapter of the run's LoRA shape for `engine`'s module, made from its layers' shapes (CPU tensors;
-    the module itself is left as it is: peft would leave its wrappers behind in a merging engine's)."""
-    from peft import LoraConfig
-    from peft.tuners.tuners_utils import check_target_module_exists
-
-    config = LoraConfig(r=model.lora_rank, lora_alpha=model.lora_alpha, target_modules=model.lora_targets)
-    g = torch.Generator().manual_seed(version)
-    tensors = {}
-    for name, module in engine.trained_module().named_modules():  # a Linear, or peft's wrapper of one
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and check_target_module_exists(config, name):
-            out_features, in_features = weight.shape
-            tensors[f"{name}.lora_A.weight"] = torch.randn(model.lora_rank, in_features, generator=g) / in_features**0.5
-            tensors[f"{name}.lora_B.weight"] = 0.01 * torch.randn(out_features, model.lora_rank, generator=g)
-    if not tensors:
-        raise SystemExit(f"--adapter: no linear layer of the model matches model.lora_target_modules="
-                         f"{model.lora_targets}")
-    return LoraAdapter(tensors, rank=model.lora_rank, alpha=model.lora_alpha, target_modules=model.lora_targets,
-                       version=version)
+    """A random adapter of the run's LoRA shape for `engine`'s module (the module itself left as it is)."""
+    try:
+        return random_lora(engine.trained_module(), version=version, rank=model.lora_rank,
+                           target_modules=model.lora_targets, seed=version, scale=0.1, alpha=model.lora_alpha)
+    except ValueError as err:
+        raise SystemExit(f"--adapter: {err} (model.lora_target_modules)") from None
 
 
 async def _profile(engine, request, path: str) -> None:

@@ -93,19 +93,37 @@ def export_lora(transformer, *, version: int, adapter_name: str = ADAPTER_NAME) 
                        version=version)
 
 
-def random_lora(transformer, *, version: int, rank: int, target_modules: list[str], seed: int,
-                scale: float = 1.0) -> LoraAdapter:
-    """A non-trivial random adapter (both A and B random, B scaled) for tests and benchmarks."""
-    from peft import LoraConfig
+def random_lora(module, *, version: int, rank: int, target_modules: list[str], seed: int, scale: float = 1.0,
+                alpha: float | None = None) -> LoraAdapter:
+    """A non-trivial random adapter (A and B both random, B times `scale`) for tests and benchmarks, made from
+    the shapes of `module`'s target layers (plain Linears, or peft's wrappers of them in a live engine) without
+    touching the module: peft's add/delete would leave wrappers behind. The values are those peft gives with
+    `init_lora_weights=False` (torch's Linear initialisation, in peft's order) under `seed`; alpha defaults to the
+    rank."""
+    import math
 
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    config = LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=target_modules)
+    tensors = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=target_modules,
-                                           init_lora_weights=False), "random")
-    adapter = export_lora(transformer, version=version, adapter_name="random")
-    transformer.delete_adapters("random")
-    adapter.tensors = {k: v * scale if ".lora_B." in k else v for k, v in adapter.tensors.items()}
-    return adapter
+        for name, layer in module.named_modules():
+            weight = getattr(layer, "weight", None)  # a wrapper's is its base layer's
+            linear = isinstance(layer, torch.nn.Linear) or hasattr(layer, "base_layer")
+            if not (linear and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                    and check_target_module_exists(config, name)):
+                continue
+            a, b = torch.empty(rank, weight.shape[1]), torch.empty(weight.shape[0], rank)
+            for t in (a, b):
+                torch.nn.init.kaiming_uniform_(t, a=math.sqrt(5))
+            tensors[f"{name}.lora_A.weight"] = a.to(weight.dtype)
+            tensors[f"{name}.lora_B.weight"] = (b * scale).to(weight.dtype)
+    if not tensors:
+        raise ValueError(f"no linear layer of {type(module).__name__} matches target_modules={target_modules}")
+    return LoraAdapter(tensors, rank=rank, alpha=config.lora_alpha, target_modules=sorted(target_modules),
+                       version=version)
 
 
 def read_adapter(path: str | Path, *, version: int) -> LoraAdapter:
