@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from app.train.gather import full_tensor, to_host
+from jobs.world import init_world
 
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 MLP = {"img_mlp.net.0.proj": (1, 4), "img_mlp.net.2": (4, 1), "txt_mlp.net.0.proj": (1, 4), "txt_mlp.net.2": (4, 1)}
@@ -65,13 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    world = dist.get_world_size()
+    _, world, device = init_world()
+    cuda = device.type == "cuda"
     mesh = init_device_mesh(device.type, (world,))
     generator = torch.Generator().manual_seed(0)  # the same full tensors on every rank: each keeps its shard
     params = [(name, distribute_tensor(torch.randn(shape, generator=generator).to(device), mesh, [Shard(0)]))

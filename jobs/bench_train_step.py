@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -44,6 +43,7 @@ from app.train.policy import Policy
 from app.train.update import make_optimizer, recompute_log_probs, train_pass
 from app.types import Trajectory
 from jobs.report import emit_json_line, profiled
+from jobs.world import init_world
 
 
 def synthetic_group(config, family, denoiser_config, group: int, seed: int) -> Trajectory:
@@ -58,28 +58,10 @@ def synthetic_group(config, family, denoiser_config, group: int, seed: int) -> T
                                     torch.Generator().manual_seed(seed + group))
 
 
-def _init_world(cuda: bool) -> tuple[int, int, torch.device]:
-    """(rank, world size, device): torchrun's world when it started this process, else a world of one."""
-    backend = "nccl" if cuda else "gloo"
-    if "WORLD_SIZE" in os.environ:  # torchrun
-        local = int(os.environ["LOCAL_RANK"])
-        if cuda:
-            torch.cuda.set_device(local)
-        dist.init_process_group(backend)
-        return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local) if cuda else torch.device("cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:  # a free one: a fixed port can be taken by another process (Ray's)
-        from torch.distributed.elastic.utils.distributed import get_free_port
-
-        os.environ["MASTER_PORT"] = str(get_free_port())
-    dist.init_process_group(backend, rank=0, world_size=1)
-    return 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu")
-
-
 def bench(config, groups: int, repeats: int, profile: str | None = None, shard_frozen: bool = False) -> dict | None:
     """The result on rank 0 (None on the other ranks)."""
     cuda = torch.cuda.is_available()
-    rank, world, device = _init_world(cuda)
+    rank, world, device = init_world()
     model, rollout, train = config.model, config.rollout, config.train
     policy = Policy.from_pretrained(model.path, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
                                     target_modules=model.lora_targets, family=str(model.family),
