@@ -10,7 +10,7 @@ each, MFU over all their GPUs; `train.reshard_after_forward` is FSDP2's choice t
 recipe: LoRA rank and targets, micro-batch, CFG, β·KL, gradient checkpointing. The batch is `--groups` groups of
 `rollout.group_size` sampled images in shape (the family's `shaped_trajectory`: random latents and prompt states,
 the cost does not depend on the values; `rollout.sde_window` places each group's window, whose steps are the ones
-trained), with old log-probs scored by the policy first (or, with `train.old_logprob=trainer`, by the first pass
+trained), with old log-probs scored by the policy before each pass (or, with `train.old_logprob=trainer`, by the pass
 itself), so the first pass's ratios are 1 as in training: `ratio_dev_first_pass_max` says how exactly.
 `model.compile.enabled=true` compiles the blocks (the warm-up pass then includes compilation: `warmup_s`;
 `compile_frames_timed` counts compilations during the timed passes, 0 in steady state). Timed: one
@@ -76,21 +76,23 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
     batch = [synthetic_group(config, policy.family, shape, g, train.seed)
              for g in range(rank * groups, (rank + 1) * groups)]  # this rank's groups
     advantages = [torch.randn(t.group_size, generator=torch.Generator().manual_seed(g)) for g, t in enumerate(batch)]
-    # old log-probs at the steps each pass trains, scored up front so that its first ratios are 1, as in training
-    # (old_logprob=trainer: the first pass scores its own)
-    if train.old_logprob == "trainer":
-        old = [[t.log_probs for t in batch]] * (repeats + 1)
-    else:
-        old = [recompute_log_probs(policy, train, batch, Stats(), step=step) for step in range(repeats + 1)]
     stats = Stats()
 
+    def old_log_probs(step: int) -> list[torch.Tensor]:
+        """Old log-probs at the steps pass `step` trains, of the adapter as the pass finds it (the pass before
+        updated it), so that its first ratios are 1 as in training; old_logprob=trainer: the pass scores its own."""
+        if train.old_logprob == "trainer":
+            return [t.log_probs for t in batch]
+        return recompute_log_probs(policy, train, batch, Stats(), step=step)
+
     def one_pass(step: int) -> float:
-        """The pass's seconds on the slowest rank."""
+        """The pass's seconds on the slowest rank (its old log-probs scored before the clock starts)."""
+        old = old_log_probs(step)
         if cuda:
             torch.cuda.synchronize()
         began = time.perf_counter()
         train_pass(policy, optimizer, train, step=step, epoch=0, trajectories=batch, advantages=advantages,
-                   old=old[step], stats=stats, mismatch=Stats())
+                   old=old, stats=stats, mismatch=Stats())
         if cuda:
             torch.cuda.synchronize()
         seconds = torch.tensor(time.perf_counter() - began, dtype=torch.float64, device=device)
@@ -106,8 +108,9 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
         from app.train.update import step_loss
 
         traj, samples = batch[0], list(range(train.micro_batch_size))
+        old = old_log_probs(0)[0][samples, 0]
         with profiled() as out:
-            loss, _ = step_loss(policy, train, traj, 0, samples, advantages[0][samples], old[0][0][samples, 0])
+            loss, _ = step_loss(policy, train, traj, 0, samples, advantages[0][samples], old)
             loss.backward()
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:

@@ -81,6 +81,7 @@ def test_bench_train_step_prints_one_json_line(tmp_path, config, preset):
     assert result["gradient_checkpointing"] is True and result["cfg"] == 4.5
     assert result["pass_s"] > 0 and result["ms_per_image_step"] > 0
     assert result["images"] == 4 and result["trained_steps"] >= 1
+    assert result["ratio_dev_first_pass_max"] == 0.0  # every pass's old log-probs are of the adapter it finds
     profile = json.loads((tmp_path / "profile.json").read_text())  # GPU kernels only: none on a CPU
     assert profile["micro_step_s"] > 0 and profile["images"] == 4 and profile["gpu_s_total"] == 0
 
