@@ -6,11 +6,12 @@
 # diffusers engine.
 # Once both lanes are done, `quad` runs on all four GPUs one after another (its own cluster).
 #   bash docs/perf/scale/gpu_lanes.sh start [quad|learn4] | wait 540 [a|b|q] | collect
+#   (LANES=0: no 2-GPU lanes; QUAD_RUNS="...": which 4-GPU runs, in order)
 # The lanes of a lease are this script's functions; git history has each lease's (docs/perf/scale/README.md).
 # The inductor cache of every run (gpu_runs.sh's /tmp/compile_cache) goes home in $OUT/compile_cache_scale.tgz; a
 # later lease that carries it back (`carry: [".devcache"]`, the file at $SEED) starts its first steps warm.
 set -uo pipefail
-RES=/tmp/lanes; RUNS=docs/perf/scale/gpu_runs.sh
+RES=/tmp/lanes; RUNS=${RUNS:-docs/perf/scale/gpu_runs.sh}  # RUNS=stub: a dry run of the plan
 SEED=${SEED_CACHE:-.devcache/compile_cache_scale.tgz}
 # the learning check (issue 34 point 4): 40 steps, the eval set's JPEG reward every 10 (16 held-out prompts,
 # deterministic), before the first step too
@@ -23,24 +24,37 @@ lane() {  # lane GPUS NAME PORT: the environment of one lane
 }
 # 4 GPUs, the per-GPU load of the 2-GPU runs: 4 groups (32 images) a step; 1 + 3 takes 3 (groups divide over ranks)
 QUAD=(train.max_staleness=1 train.groups_per_step=4)
-lane_a() { :; }  # this lease: no 2-GPU lanes (the lease before ran shared_k1 here, split_k1 in lane b)
-lane_b() { :; }
-quad() {  # issue 38: what the lease before left, on all four GPUs, one after another
+# this lease's 2-GPU lanes, side by side before the 4-GPU runs: the split on today's code (the weak-scaling baseline),
+# and the split whose trainer GPU holds nothing else with activation memory in place of checkpointing
+lane_a() { lane 0,1 a 8001; bash $RUNS job split_k1 10 "${SPLIT[@]}" train.max_staleness=1 cluster.serve_port=$PORT; }
+lane_b() { lane 2,3 b 8002; bash $RUNS job split_k1_budget 10 "${SPLIT[@]}" train.max_staleness=1 \
+  train.gradient_checkpointing=false train.activation_memory_budget=0.25 cluster.serve_port=$PORT; }
+SPLIT=(rollout.num_replicas=1 cluster.num_workers=1)
+# the 4-GPU runs in order of what issue 38 needs first; a lease that runs out leaves the rest to the next one:
+#   QUAD_RUNS="q_eager_2p2" bash gpu_lanes.sh start quad
+QUAD_RUNS=${QUAD_RUNS:-q_2p2 q_3p1 q_1p3 q_shared4_mor1 q_eager_2p2}
+quad_run() {  # quad_run NAME: one 4-GPU placement, 10 steps
+  local placement
+  case $1 in
+    q_2p2) placement=(rollout.num_replicas=2 cluster.num_workers=2) ;;
+    q_3p1) placement=(rollout.num_replicas=3 cluster.num_workers=1) ;;
+    q_1p3) placement=(train.groups_per_step=3 rollout.num_replicas=1 cluster.num_workers=3) ;;
+    q_shared4_mor1) placement=(rollout.num_replicas=4 rollout.replica_num_gpus=0.6 cluster.num_workers=4
+                               cluster.worker_num_gpus=0.4 rollout.max_ongoing_requests=1) ;;
+    q_eager_2p2) placement=(rollout.num_replicas=2 cluster.num_workers=2 model.compile.enabled=false
+                            train.old_logprob=rollout) ;;
+    *) echo "unknown 4-GPU run $1"; return 1 ;;
+  esac
+  JOB_TIMEOUT=480 bash $RUNS job $1 10 "${QUAD[@]}" "${placement[@]}" cluster.serve_port=$PORT
+}
+quad() {  # issue 38: on all four GPUs, one after another, once both lanes are done
   until [ -f $RES/a.done -a -f $RES/b.done ]; do sleep 2; done
   lane 0,1,2,3 q 8003
   for n in 2 4; do  # the LoRA's way out of 2 and 4 ranks: the one-collective gather against the per-tensor ones
-    timeout 300 torchrun --nproc_per_node=$n -m jobs.bench_export --repeats 5 2>&1 | grep '^{' >> $OUT/bench_export.jsonl
+    timeout 300 torchrun --standalone --nproc_per_node=$n -m jobs.bench_export --repeats 5 2>&1 | grep '^{' \
+      >> $OUT/bench_export.jsonl
   done
-  JOB_TIMEOUT=480 bash $RUNS job q_2p2 10 "${QUAD[@]}" rollout.num_replicas=2 cluster.num_workers=2 \
-    cluster.serve_port=$PORT
-  JOB_TIMEOUT=480 bash $RUNS job q_shared4_mor1 10 "${QUAD[@]}" rollout.num_replicas=4 rollout.replica_num_gpus=0.6 \
-    cluster.num_workers=4 cluster.worker_num_gpus=0.4 rollout.max_ongoing_requests=1 cluster.serve_port=$PORT
-  JOB_TIMEOUT=480 bash $RUNS job q_3p1 10 "${QUAD[@]}" rollout.num_replicas=3 cluster.num_workers=1 \
-    cluster.serve_port=$PORT
-  JOB_TIMEOUT=480 bash $RUNS job q_1p3 10 "${QUAD[@]}" train.groups_per_step=3 rollout.num_replicas=1 \
-    cluster.num_workers=3 cluster.serve_port=$PORT
-  JOB_TIMEOUT=480 bash $RUNS job q_eager_2p2 10 "${QUAD[@]}" rollout.num_replicas=2 cluster.num_workers=2 \
-    model.compile.enabled=false train.old_logprob=rollout cluster.serve_port=$PORT
+  for run in $QUAD_RUNS; do quad_run $run; done
 }
 learn4() {  # the lease after: the learning check and the kill on the best 4-GPU placement (2 + 2 so far)
   lane 0,1,2,3 q 8003
@@ -63,8 +77,10 @@ case "$1" in
   start) mkdir -p $RES
          [ -f $SEED ] && tar xzf $SEED -C /tmp && echo "compile cache seeded from $SEED"
          bash $RUNS build
-         setsid bash $0 lane_a > $RES/lane_a.out 2>&1 < /dev/null &
-         setsid bash $0 lane_b > $RES/lane_b.out 2>&1 < /dev/null &
+         if [ "${2:-quad}" = quad ] && [ "${LANES:-1}" = 1 ]; then  # LANES=0: straight to the 4-GPU runs
+           setsid bash $0 lane_a > $RES/lane_a.out 2>&1 < /dev/null &
+           setsid bash $0 lane_b > $RES/lane_b.out 2>&1 < /dev/null &
+         else touch $RES/a.done $RES/b.done; fi
          setsid bash $0 ${2:-quad} > $RES/quad.out 2>&1 < /dev/null &
          sleep 2; echo started ;;
   lane_a) lane_a; touch $RES/a.done ;;
