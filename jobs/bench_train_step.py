@@ -2,6 +2,7 @@
 
     python -m jobs.bench_train_step --config configs/qwen_image_ocr_2gpu.yaml model.path=DIR [--groups 2]
     python -m jobs.bench_train_step --config configs/sd35m_ocr.yaml model.path=DIR data.prompts=ocr_tiny
+    python -m jobs.bench_train_step --config configs/bagel_ocr.yaml model.path=DIR   # text-to-image groups
 
 One process, one rank (a world of one: FSDP2 wraps the LoRA as the Ray Train worker does, the frozen base left as it
 is; `--shard-frozen`: FSDP2 manages the base too, as it does with several ranks), or several under torchrun
@@ -127,9 +128,10 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
     dist.destroy_process_group()
     if rank != 0:
         return None
+    layers = len(policy.family.compiled_blocks(policy.transformer))  # the family's repeated blocks
     return {
         "bench": "train_step", "device": torch.cuda.get_device_name() if cuda else "cpu", "world_size": world,
-        "layers": shape.num_layers, "size": f"{rollout.width}x{rollout.height}", "images": images,
+        "layers": layers, "size": f"{rollout.width}x{rollout.height}", "images": images,
         "trained_steps": trained, "sde_window": rollout.sde_window.size, "cfg": rollout.guidance_scale,
         "kl_beta": train.kl_beta,
         "lora_rank": model.lora_rank, "lora_targets": len(model.lora_targets),

@@ -61,18 +61,19 @@ def test_bench_rollout_serves_an_adapter_merged_times_its_swap_and_profiles_a_gr
     assert profile["group_s"] > 0 and profile["images"] == 4 and "top_kernels" in profile
 
 
-@pytest.mark.parametrize("config,preset", [("tiny_cpu", "tiny"), ("tiny_sd3_cpu", "tiny-sd3")])
+@pytest.mark.parametrize("config,preset", [("tiny_cpu", "tiny"), ("tiny_sd3_cpu", "tiny-sd3"),
+                                           ("tiny_bagel_cpu", "tiny-bagel")])
 def test_bench_train_step_prints_one_json_line(tmp_path, config, preset):
     """The trainer benchmark runs the real update (FSDP2 over a world of one, gloo on CPU) with gradient
-    checkpointing, as the GPU configs do, and profiles one micro-step; for each diffusers family (its groups shaped
-    by the family)."""
+    checkpointing, as the GPU configs do, and profiles one micro-step; for each family (its groups shaped by the
+    family: BAGEL's text-to-image groups with a negative prompt's context under CFG)."""
     build = subprocess.run([sys.executable, "-m", "jobs.make_tiny_models", "--preset", preset, "--out",
                             str(tmp_path / "tiny")], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
     done = subprocess.run(
         [sys.executable, "-m", "jobs.bench_train_step", "--config", f"configs/{config}.yaml", "--groups", "1",
          "--repeats", "1", "--profile", str(tmp_path / "profile.json"), f"model.path={tmp_path / 'tiny'}",
-         "train.gradient_checkpointing=true", "rollout.guidance_scale=4.5"],
+         "train.gradient_checkpointing=true", "rollout.guidance_scale=4.5", "rollout.negative_prompt=' '"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

@@ -99,3 +99,23 @@ def test_an_engine_that_merges_samples_what_the_adapter_samples(bagel_engine, ai
     finally:
         aio(engine.close())
     assert_merged_is_the_adapter(groups, version=3)
+
+
+def test_the_trainer_bench_s_shaped_group_is_shaped_as_the_engine_s(bagel_engine, aio, tiny_bagel_dir):
+    """`jobs.bench_train_step` trains on random groups of the engine's shapes (the cost depends on nothing else)."""
+    from app.models.bagel.context import shaped_trajectory
+
+    request = GenerationRequest("a red cube", n=3, **SAMPLING, guidance_scale=4.0, negative_prompt=" ")
+    real = aio(bagel_engine.generate(request))
+    shaped = shaped_trajectory(tiny_bagel_dir, request, bagel_engine.model.config, torch.Generator().manual_seed(0),
+                               text_tokens=7)
+    for name in ("images", "latents", "log_probs", "timesteps", "sigmas"):
+        got, want = getattr(shaped, name), getattr(real, name)
+        assert (got.shape, got.dtype) == (want.shape, want.dtype), name
+    assert torch.equal(shaped.sigmas, real.sigmas) and shaped.family == real.family == "bagel"
+    assert shaped.conditioning.keys() == real.conditioning.keys() == {"prompt_ids", "negative_ids", "image_tokens"}
+    assert torch.equal(shaped.conditioning["image_tokens"], real.conditioning["image_tokens"])
+    assert shaped.conditioning["prompt_ids"].shape == (7,) and shaped.conditioning["prompt_ids"].dtype == torch.int64
+    with pytest.raises(ValueError, match="edits are not shaped"):
+        shaped_trajectory(tiny_bagel_dir, request.replace(image=EDIT), bagel_engine.model.config,
+                          torch.Generator())

@@ -52,6 +52,12 @@ class Bagel(FamilyBase):
 
         return score_trajectory(denoiser, traj, steps, samples, flow_grpo_compat=flow_grpo_compat, uniform=uniform)
 
+    def shaped_trajectory(self, path, request, config, generator):
+        """A text-to-image group shaped as the rollout returns it, random values (`jobs.bench_train_step`)."""
+        from app.models.bagel.context import shaped_trajectory
+
+        return shaped_trajectory(path, request, config, generator)
+
     def forward_flops(self, config, traj):
         from app.models.bagel.flops import trajectory_forward_flops
 

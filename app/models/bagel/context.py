@@ -190,3 +190,35 @@ def score_trajectory(model: BagelMoT, traj, steps: Sequence[int], samples: Seque
     return score_steps(velocity, traj.latents[list(samples)], steps, traj.sigmas, traj.step_noise_levels,
                        sde_type=traj.sde_type, flow_grpo_compat=flow_grpo_compat, device=param.device,
                        dtype=param.dtype)
+
+
+def shaped_trajectory(path, request, config, generator: torch.Generator, text_tokens: int = 64):
+    """A text-to-image group shaped as the BAGEL engine returns it for `request`, random values (benchmarks: the
+    cost does not depend on them): `text_tokens` prompt ids (and as many negative ones under CFG), the latents of
+    every step, BAGEL's schedule. `config`: the model's (`BagelMoT.config`). Edits are not shaped (their image
+    blocks would need the autoencoder and the ViT)."""
+    from transformers import Qwen2Tokenizer
+
+    from app.models.bagel.model import schedule
+    from app.types import Trajectory
+
+    if request.is_edit:
+        raise ValueError("shaped_trajectory: BAGEL edits are not shaped; bench a text-to-image request")
+    tokenizer = Qwen2Tokenizer.from_pretrained(path)
+    stride = config["vae_downsample"] * config["latent_patch_size"]
+    tokens = (request.height // stride) * (request.width // stride)
+    channels = config["latent_patch_size"] ** 2 * config["latent_channels"]
+    n, steps = request.n, request.num_inference_steps
+
+    def ids():
+        return torch.randint(len(tokenizer), (text_tokens,), generator=generator)
+
+    conditioning = {"prompt_ids": ids(), "image_tokens": image_token_ids(tokenizer)}
+    if request.do_cfg and request.negative_prompt:
+        conditioning["negative_ids"] = ids()
+    sigmas = schedule(steps + 1, request.timestep_shift)
+    return Trajectory.sampled(
+        request, seed=request.seed, lora_version=0, family="bagel",
+        images=torch.zeros(n, request.height, request.width, 3, dtype=torch.uint8),
+        latents=torch.randn(n, steps + 1, tokens, channels, generator=generator), log_probs=torch.zeros(n, steps),
+        timesteps=sigmas[:-1].clone(), sigmas=sigmas, conditioning=conditioning)
