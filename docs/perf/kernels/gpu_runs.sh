@@ -3,7 +3,7 @@
 # device call per stage, back to back (the machine keeps /tmp only while calls follow each other). In the project
 # root with the device wheels installed and PYTHONPATH set:
 #   bash docs/perf/kernels/gpu_runs.sh setup | train_step VARIANT | train_step_2rank | rollout | rollout_merged |
-#     rollout_mode MODE | attention KERNEL | cache | pack
+#     rollout_mode MODE | attention KERNEL | cache | bagel | pack
 # VARIANT: before (FSDP2 copies the frozen base, diffusers' complex RoPE: the code of 2026-11-25), after (today's
 # defaults), budget (after, with compile's activation memory budget instead of whole-block recomputation).
 # The GPU image has no vllm: the rollout bench runs the diffusers engine.
@@ -14,6 +14,8 @@ CACHE=/tmp/compile_cache
 CFG=${CFG:-configs/qwen_image_ocr_2gpu.yaml}  # MODEL=, CFG=: a dry run on the CPU with a tiny model
 BEFORE=(--shard-frozen model.compile.real_rope=false)
 BUDGET=(train.gradient_checkpointing=false train.activation_memory_budget=${BUDGET:-0.5})
+BAGEL=${BAGEL:-/tmp/bagel-real-width}  # BAGEL=, BAGEL_CFG=: the bagel stage's dry run on the CPU
+BAGEL_CFG=${BAGEL_CFG:-configs/bagel_ocr.yaml}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 case "$1" in
@@ -83,6 +85,25 @@ case "$1" in
       --profile "$OUT/profile_rollout_$2.json" model.path=$MODEL model.compile.cache_dir=$CACHE \
       model.compile.mode=$2 2>"$OUT/rollout_$2.err" | tail -1 | tee -a "$OUT/bench_rollout_modes.jsonl"
     tail -n 2 "$OUT/rollout_$2.err" ;;
+  bagel)  # point 7: BAGEL's two benches, eager then compiled, at BAGEL-7B-MoT's layer width with BAGEL_LAYERS of its
+    # 28 layers (default 8: MFU reads the per-layer cost; the whole model beside the Qwen-Image checkpoint would not
+    # fit the machine's 64 GiB disk); the recipe of configs/bagel_ocr.yaml (groups of 8 at 512², CFG 4, 2 of 10
+    # steps trained, LoRA r=64 on the generation expert)
+    [ -f $BAGEL/config.json ] || python -m jobs.make_tiny_models --preset bagel-real-width \
+      --layers ${BAGEL_LAYERS:-8} --out $BAGEL 2>&1 | tail -1
+    for compiled in false true; do
+      timeout ${BENCH_TIMEOUT:-240} python -m jobs.bench_train_step --config $BAGEL_CFG --groups 2 --repeats 3 \
+        model.path=$BAGEL model.compile.enabled=$compiled model.compile.cache_dir=$CACHE train.old_logprob=trainer \
+        2>"$OUT/bagel_train_$compiled.err" | tail -1 | sed "s/^{/{\"variant\": \"compiled_$compiled\", /" \
+        | tee -a "$OUT/bench_bagel.jsonl"
+      tail -n 2 "$OUT/bagel_train_$compiled.err"
+      timeout ${BENCH_TIMEOUT2:-200} python -m jobs.bench_rollout --config $BAGEL_CFG --groups 2 --repeats 3 \
+        --batched-only model.path=$BAGEL model.compile.enabled=$compiled model.compile.cache_dir=$CACHE \
+        train.old_logprob=trainer \
+        2>"$OUT/bagel_rollout_$compiled.err" | tail -1 | sed "s/^{/{\"variant\": \"compiled_$compiled\", /" \
+        | tee -a "$OUT/bench_bagel.jsonl"
+      tail -n 2 "$OUT/bagel_rollout_$compiled.err"
+    done ;;
   pack)  # the benches' inductor cache, for the next lease
     tar czf "$OUT/compile_cache_kernels.tgz" -C /tmp compile_cache && du -h "$OUT/compile_cache_kernels.tgz" ;;
 esac
