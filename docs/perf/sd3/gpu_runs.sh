@@ -4,7 +4,10 @@
 # call per stage, back to back (the machine keeps /tmp only while calls follow each other). In the project root,
 # with the device wheels installed and PYTHONPATH set:
 #   bash docs/perf/sd3/gpu_runs.sh STAGE
-# Stages: build (the checkpoint, ~20 GB, and the bf16 parity test), rollout, train_step, job_full, job_fast.
+# Stages: build (the checkpoint, ~20 GB, and the bf16 parity test), rollout, train_step, job_full, job_fast, pack.
+# A compiled start from an earlier machine's cache (issue 36 point 6): `job_fast 3` then `pack` on one lease; on the
+# next (a fresh machine), with .devcache/compile_cache_sd3.tgz carried (`carry: [".devcache"]`), `build` seeds
+# /tmp/compile_cache from it and `job_fast 3` again: step 1 cold against step 1 warm, the cache counters beside.
 # The GPU image has no vllm: the rollout runs on the diffusers engine. Eager and compiled run in the same call.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -26,6 +29,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 case "$1" in
   build)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+    seed=${SEED_CACHE:-.devcache/compile_cache_sd3.tgz}
+    [ -f $seed ] && tar xzf $seed -C /tmp && echo "compile cache seeded from $seed: $(du -sh $CACHE | cut -f1)"
     python -m jobs.make_tiny_models --preset sd35-medium --out $MODEL 2>&1 | tail -1
     SD35M_PATH=$MODEL python -m pytest -q -p no:cacheprovider tests/train/test_sd3_real_size_gpu.py -s 2>&1 \
       | grep -E "mismatch|passed|failed|Error" | tee "$OUT/gpu_tests.txt" ;;
@@ -56,4 +61,6 @@ for line in open(sys.argv[1]):
     m = json.loads(line); print({k: round(v, 4) for k, v in m.items() if k in ('step', 'timing/step_s', 'timing/rollout_s',
         'timing/train_s', 'perf/images_per_s', 'perf/images_per_s_per_gpu', 'perf/mfu', 'perf/gpu_idle_share', 'actor/ratio_dev_first_pass_max', 'reward/mean', 'timing/reward_wait_s_max', 'perf/reward_busy_s') or k.startswith('compile/')})" \
       "$OUT/${name}_metrics.jsonl" ;;
+  pack)  # this lease's inductor cache, for a later (fresh) machine: copy it to .devcache/ and carry it
+    tar czf "$OUT/compile_cache_sd3.tgz" -C /tmp compile_cache && du -h "$OUT/compile_cache_sd3.tgz" ;;
 esac
