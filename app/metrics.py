@@ -306,25 +306,31 @@ class Stats:
 
 
 def reduce_over_workers(metrics: dict[str, float], world: int) -> dict[str, float]:
-    """Means over workers (each worker has the same number of terms), max/min/sum for `_max`/`_min`/`_sum` keys
-    (a `_sum` key loses its suffix: it is the whole step's) (a collective: every rank calls it with the same keys)."""
+    """Means over the workers that report a key, max/min/sum for `_max`/`_min`/`_sum` keys (a `_sum` key loses its
+    suffix: it is the whole step's). A collective: every rank calls it, with its own keys; the ranks first agree on
+    the union, so a key some rank lacks (a group kind only some ranks trained) costs that rank nothing instead of
+    a mismatched all-reduce, which would hang NCCL."""
     import torch
     import torch.distributed as dist
 
+    everyone: list[list[str] | None] = [None] * world
+    dist.all_gather_object(everyone, sorted(metrics))
+    keys = sorted(set().union(*everyone))
+    # NCCL reduces GPU tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    absent = {"max": -math.inf, "min": math.inf, "sum": 0.0, None: 0.0}
     out = {}
     for kind, op in [("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN), ("sum", dist.ReduceOp.SUM),
                      (None, dist.ReduceOp.SUM)]:
-        chosen = sorted(k for k in metrics if _reduction(k) == kind)  # the same keys in the same order on every rank
+        chosen = [k for k in keys if _reduction(k) == kind]  # the same keys in the same order on every rank
         if not chosen:
             continue
-        # NCCL reduces GPU tensors only
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        values = torch.tensor([metrics[k] for k in chosen], dtype=torch.float64, device=device)
+        values = torch.tensor([[metrics.get(k, absent[kind]) for k in chosen],
+                               [float(k in metrics) for k in chosen]], dtype=torch.float64, device=device)
         dist.all_reduce(values, op=op)
-        if kind is None:
-            values /= world
+        reduced = values[0] / values[1] if kind is None else values[0]  # a mean over the ranks that have the key
         names = [k.removesuffix("_sum") for k in chosen] if kind == "sum" else chosen
-        out.update(zip(names, values.cpu().tolist(), strict=True))
+        out.update(zip(names, reduced.cpu().tolist(), strict=True))
     return out
 
 
