@@ -2,19 +2,12 @@
 tensors `DTensor.full_tensor` gives, for shapes that do not divide over the ranks (a rank with fewer rows, or none)
 and for tensors that are not row shards; cast on the way when asked. Two and three gloo ranks on the CPU."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
+from gloo import free_port
 
 SHAPES = [(3, 5), (4, 2), (1, 7), (64, 3), (5,), (2, 3, 4)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, failures) -> None:
@@ -52,5 +45,5 @@ def _rank(rank: int, world: int, port: int, failures) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_row_shards_gathered_at_once_equal_full_tensor(world):
     failures = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank, args=(world, _free_port(), failures), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, free_port(), failures), nprocs=world, join=True)
     assert failures.empty()

@@ -3,10 +3,10 @@ sums, right even when the ranks report different keys (a mismatched all-reduce w
 CPU against the same combination worked out in plain Python."""
 
 import math
-import socket
 
 import pytest
 import torch.multiprocessing as mp
+from gloo import free_port
 
 
 def rank_metrics(rank: int) -> dict[str, float]:
@@ -37,12 +37,6 @@ def expected(world: int) -> dict[str, float]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, world: int, port: int, results) -> None:
     import torch.distributed as dist
 
@@ -58,7 +52,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_every_rank_gets_each_key_combined_over_the_ranks_that_report_it(world):
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank, args=(world, _free_port(), results), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, free_port(), results), nprocs=world, join=True)
     got = dict(results.get() for _ in range(world))
     want = expected(world)
     for rank in range(world):
