@@ -26,20 +26,19 @@ ENV = "RAY_FLOWGRPO_CRASH"
 ACKNOWLEDGED_S = 0.5
 
 
+def _markers(point: str, key: int | str) -> list[str]:
+    """The marker files of the specs that name this point and key."""
+    specs = (spec.partition("@") for spec in filter(None, os.environ.get(ENV, "").split(",")))
+    return [marker for target, _, marker in specs if target == f"{point}={key}" and marker]
+
+
 def _armed(point: str, key: int | str) -> bool:
     """Whether some spec names this point and key and its marker is not there yet."""
-    for spec in filter(None, os.environ.get(ENV, "").split(",")):
-        target, _, marker = spec.partition("@")
-        if target == f"{point}={key}" and marker and not os.path.exists(marker):
-            return True
-    return False
+    return any(not os.path.exists(marker) for marker in _markers(point, key))
 
 
 def crash_point(point: str, key: int | str) -> None:
-    for spec in filter(None, os.environ.get(ENV, "").split(",")):
-        target, _, marker = spec.partition("@")
-        if target != f"{point}={key}" or not marker:
-            continue
+    for marker in _markers(point, key):
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:  # another process crashed here already
