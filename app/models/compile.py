@@ -50,13 +50,47 @@ def _forward(block, *args, **kwargs):
     return type(block).forward(block, *args, **kwargs)
 
 
+# Attention's kernels, kept from a checkpointed block's forward for its backward instead of recomputed. Torch tags
+# them random (they can apply dropout): recomputed, they had their random state saved and replayed, and on a GPU
+# that wrapping made inductor bypass its FX-graph cache for every trained graph (a carried cache missed them all).
+# Saving them also spares the backward the attention forward, for one output per block.
+_ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                  "_flash_attention_forward", "_efficient_attention_forward", "_cudnn_attention_forward")
+
+
+def _keep_attention(ctx, op, *args, **kwargs):
+    """Selective checkpointing's policy: save attention's outputs, recompute the rest of the block."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved = getattr(op, "_overloadpacket", None) in _attention_packets()
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _attention_packets() -> frozenset:
+    import torch
+
+    return frozenset(getattr(torch.ops.aten, name) for name in _ATTENTION_OPS if hasattr(torch.ops.aten, name))
+
+
+def _checkpoint_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_attention)
+
+
+# what AOTAutograd's cache keys the policy by (it bypasses the cache for a policy without one): change it with
+# the policy
+_checkpoint_contexts.cache_hash = "keep-attention:" + ",".join(_ATTENTION_OPS)
+
+
 def _checkpointed_forward(block, *args, **kwargs):
-    """A block's forward, recomputed in the backward pass when gradients are on."""
+    """A block's forward, recomputed in the backward pass when gradients are on (attention's outputs kept)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
     if torch.is_grad_enabled():
-        return checkpoint(_forward, block, *args, use_reentrant=False, **kwargs)
+        return checkpoint(_forward, block, *args, use_reentrant=False, context_fn=_checkpoint_contexts, **kwargs)
     return _forward(block, *args, **kwargs)
 
 
@@ -112,14 +146,18 @@ def compile_counts() -> dict[str, int]:
 
 def cache_counts() -> dict[str, int]:
     """This process's hits and misses of the shared cache: inductor's FX graphs (`fx_hits`, `fx_misses`) and
-    AOTAutograd's forward/backward pairs (`aot_hits`, `aot_misses`). A warm start shows hits and no misses; what a
+    AOTAutograd's forward/backward pairs (`aot_hits`, `aot_misses`), and the graphs they could not hold
+    (`fx_bypasses`, `aot_bypasses`). A warm start shows hits and no misses; what a
     hit saves is code generation, not dynamo's tracing."""
     from torch._dynamo.utils import counters
 
     return {"fx_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
             "fx_misses": int(counters["inductor"]["fxgraph_cache_miss"]),
             "aot_hits": int(counters["aot_autograd"]["autograd_cache_hit"]),
-            "aot_misses": int(counters["aot_autograd"]["autograd_cache_miss"])}
+            "aot_misses": int(counters["aot_autograd"]["autograd_cache_miss"]),
+            # graphs the caches could not hold (inductor or AOTAutograd said why in its log): a later start misses them
+            "fx_bypasses": int(counters["inductor"]["fxgraph_cache_bypass"]),
+            "aot_bypasses": int(counters["aot_autograd"]["autograd_cache_bypass"])}
 
 
 def compile_seconds(top: int = 8) -> dict[str, float]:

@@ -152,7 +152,8 @@ def test_an_engine_that_merges_compiles_once_and_the_first_pass_stays_exact(comp
     finally:
         aio(engine.close())
     assert traj.lora_version == 1
-    assert set(traj.producer["compile_cache"]) == {"fx_hits", "fx_misses", "aot_hits", "aot_misses"}
+    assert set(traj.producer["compile_cache"]) == {"fx_hits", "fx_misses", "aot_hits", "aot_misses", "fx_bypasses",
+                                                   "aot_bypasses"}
     assert traj.producer["compile_cache"]["fx_hits"] + traj.producer["compile_cache"]["fx_misses"] >= 1
     stats, mismatch, _ = _pass(policy, traj)
     assert stats["actor/ratio_dev_first_pass_max"] == 0.0
@@ -181,7 +182,8 @@ traj = engine.sample(ROLLOUT.request(FIRST, seed=5, group_id=0))
 stats, _, _ = _pass(_policy({str(tiny_model_dir)!r}, adapter, compile=settings), traj)
 counts = cache_counts()
 print(json.dumps({{"hit": counts["fx_hits"], "miss": counts["fx_misses"], "aot_hit": counts["aot_hits"],
-                  "aot_miss": counts["aot_misses"], "ratio": stats["actor/ratio_dev_first_pass_max"]}}))
+                  "aot_miss": counts["aot_misses"], "bypass": counts["fx_bypasses"] + counts["aot_bypasses"],
+                  "ratio": stats["actor/ratio_dev_first_pass_max"]}}))
 """
     results = []
     for cache in ("compile_cache", "carried/compile_cache"):
@@ -194,5 +196,8 @@ print(json.dumps({{"hit": counts["fx_hits"], "miss": counts["fx_misses"], "aot_h
     cold, warm = results
     assert cold["miss"] >= 3, cold  # engine forward; policy forward, backward, reference
     assert warm["hit"] >= cold["miss"] and warm["miss"] == 0, warm
-    assert cold["aot_hit"] == 0 and warm["aot_hit"] >= 1 and warm["aot_miss"] == 0, (cold, warm)
+    # every trained graph is cached, the checkpointed ones too (recomputed attention once made AOTAutograd or
+    # inductor bypass their caches: saved by the checkpoint policy, app/models/compile.py)
+    assert cold["aot_hit"] == 0 and warm["aot_hit"] >= max(cold["aot_miss"], 1) and warm["aot_miss"] == 0, (cold, warm)
+    assert cold["bypass"] == warm["bypass"] == 0, (cold, warm)
     assert cold["ratio"] == warm["ratio"] == 0.0

@@ -4,7 +4,7 @@
 # call per stage, back to back (the machine keeps /tmp only while calls follow each other). In the project root,
 # with the device wheels installed and PYTHONPATH set:
 #   bash docs/perf/sd3/gpu_runs.sh STAGE
-# Stages: build (the checkpoint, ~20 GB, and the bf16 parity test), rollout, train_step, job_full, job_fast, pack.
+# Stages: build (the checkpoint, ~20 GB, and the bf16 parity test), rollout, train_step, job_full, job_fast, cache, pack.
 # A compiled start from an earlier machine's cache (issue 36 point 6): `job_fast 3` then `pack` on one lease; on the
 # next (a fresh machine), with .devcache/compile_cache_sd3.tgz carried (`carry: [".devcache"]`), `build` seeds
 # /tmp/compile_cache from it and `job_fast 3` again: step 1 cold against step 1 warm, the cache counters beside.
@@ -61,6 +61,15 @@ for line in open(sys.argv[1]):
     m = json.loads(line); print({k: round(v, 4) for k, v in m.items() if k in ('step', 'timing/step_s', 'timing/rollout_s',
         'timing/train_s', 'perf/images_per_s', 'perf/images_per_s_per_gpu', 'perf/mfu', 'perf/gpu_idle_share', 'actor/ratio_dev_first_pass_max', 'reward/mean', 'timing/reward_wait_s_max', 'perf/reward_busy_s') or k.startswith('compile/')})" \
       "$OUT/${name}_metrics.jsonl" ;;
+  cache)  # the fast recipe's trainer bench cold, then in a new process given a copy of that cache at another path,
+    # the machine's own caches wiped (a fresh machine the folder was carried to): hits, misses and bypasses
+    rm -rf /tmp/ccA /tmp/ccB /tmp/torchinductor_* ~/.triton ~/.cache/triton
+    for run in cold warm_copied; do
+      dir=/tmp/ccA; [ $run = warm_copied ] && { cp -r /tmp/ccA /tmp/ccB; rm -rf /tmp/torchinductor_* ~/.triton; dir=/tmp/ccB; }
+      timeout ${BENCH_TIMEOUT:-300} python -m jobs.bench_train_step --config configs/sd35m_ocr_fast.yaml --groups 1 \
+        --repeats 2 "${PATHS[@]}" model.compile.cache_dir=$dir "${EXTRA[@]}" 2>"$OUT/cache_$run.err" | tail -1 \
+        | sed "s/^{/{\"variant\": \"$run\", /" | tee -a "$OUT/bench_cache.jsonl"
+    done; tail -n 2 "$OUT"/cache_*.err ;;
   pack)  # this lease's inductor cache, for a later (fresh) machine: copy it to .devcache/ and carry it
     tar czf "$OUT/compile_cache_sd3.tgz" -C /tmp compile_cache && du -h "$OUT/compile_cache_sd3.tgz" ;;
 esac
