@@ -52,7 +52,7 @@ def test_a_checkpointed_block_runs_attention_once_and_its_gradients_are_unchange
     plain_calls, plain = grads(lambda b, t: b(t))
     kept_calls, kept = grads(_checkpointed_forward)
     assert plain_calls == kept_calls == 1  # a plain checkpoint would run it again in the backward
-    for a, b in zip(plain, kept):
+    for a, b in zip(plain, kept, strict=True):
         assert torch.equal(a, b)
 
 
