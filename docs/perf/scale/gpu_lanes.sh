@@ -8,7 +8,7 @@
 #   bash docs/perf/scale/gpu_lanes.sh start [quad|learn4] | wait 540 [a|b|q] | collect
 #   (LANES=0: no 2-GPU lanes; QUAD_RUNS="...": which 4-GPU runs, in order)
 # The lanes of a lease are this script's functions; git history has each lease's (docs/perf/scale/README.md).
-# The inductor cache of every run (gpu_runs.sh's /tmp/compile_cache) goes home in $OUT/compile_cache_scale.tgz; a
+# The inductor cache of every run (gpu_runs.sh's /tmp/compile_cache) goes home in $OUT/compile_cache_scale.tgz.part*; a
 # later lease that carries it back (`carry: [".devcache"]`, the file at $SEED) starts its first steps warm.
 set -uo pipefail
 RES=/tmp/lanes; RUNS=${RUNS:-docs/perf/scale/gpu_runs.sh}  # RUNS=stub: a dry run of the plan
@@ -68,8 +68,9 @@ learn4() {  # the lease after: the learning check and the kill on the best 4-GPU
 pack() {  # logs, metrics, eval results and curves; no checkpoints, images or tensorboard
   (cd /tmp && tar czf $OUT/lanes.tgz --exclude=checkpoints --exclude=images --exclude=tensorboard \
     --exclude='*.npz' --exclude=compile_cache --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' lanes runs 2>/dev/null)
-  [ -d /tmp/compile_cache ] && tar czf $OUT/compile_cache_scale.tgz -C /tmp compile_cache \
-    && echo "compile cache: $(du -sh /tmp/compile_cache | cut -f1), $(du -h $OUT/compile_cache_scale.tgz | cut -f1) packed"
+  # the cache in parts under the 16 MiB a returned file may have: cat compile_cache_scale.tgz.part* > .devcache/...
+  [ -d /tmp/compile_cache ] && tar czf - -C /tmp compile_cache | split -b 15m - $OUT/compile_cache_scale.tgz.part \
+    && echo "compile cache: $(du -sh /tmp/compile_cache | cut -f1), $(du -ch $OUT/compile_cache_scale.tgz.part* | tail -1 | cut -f1) packed"
   for f in $RES/*/*.log; do echo "== $f"; grep "\[flowgrpo\] step\|exit\|rror" $f | tail -n 3; done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
 }
