@@ -43,6 +43,9 @@ quad_run() {  # quad_run NAME: one 4-GPU placement, 10 steps
                                cluster.worker_num_gpus=0.4 rollout.max_ongoing_requests=1) ;;
     q_eager_2p2) placement=(rollout.num_replicas=2 cluster.num_workers=2 model.compile.enabled=false
                             train.old_logprob=rollout) ;;
+    # issue 36 point 2 in the job (not in the default list): 2 + 2 with each block's gathered base kept from its
+    # forward to its backward, against q_2p2
+    q_2p2_keep) placement=(rollout.num_replicas=2 cluster.num_workers=2 train.reshard_after_forward=false) ;;
     *) echo "unknown 4-GPU run $1"; return 1 ;;
   esac
   JOB_TIMEOUT=480 bash $RUNS job $1 10 "${QUAD[@]}" "${placement[@]}" cluster.serve_port=$PORT
