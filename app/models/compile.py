@@ -8,7 +8,8 @@ its own, in the trainer and in the in-process rollout engines.
   whose input needs no gradient and the later ones whose input does.
 - Gradient checkpointing of a compiled block happens inside the compiled region (`checkpoint=True`): the block's
   forward is wrapped in `torch.utils.checkpoint` and compiled with it, so compile's partitioner recomputes the
-  block in the backward graph it built. Checkpointing around a compiled block instead (diffusers' own) dispatches
+  block in the backward graph it built, all but attention's outputs, which are kept (`_keep_attention`).
+  Checkpointing around a compiled block instead (diffusers' own) dispatches
   the recomputation through dynamo a second time, and on a GPU under FSDP2 it was seen to pick a graph that saves
   other tensors than the forward did (torch.utils.checkpoint's CheckpointError).
 - Shapes are dynamic from the start: prompts have different lengths, and a graph specialised to the first length
@@ -24,6 +25,7 @@ the two graphs differently), which is why `train.old_logprob: trainer` exists: s
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -67,6 +69,7 @@ def _keep_attention(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@functools.cache
 def _attention_packets() -> frozenset:
     import torch
 
