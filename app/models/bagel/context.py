@@ -22,6 +22,7 @@ expert, so the trainer rebuilds it under the current LoRA (`score_trajectory`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -192,19 +193,25 @@ def score_trajectory(model: BagelMoT, traj, steps: Sequence[int], samples: Seque
                        dtype=param.dtype)
 
 
+@functools.cache
+def _tokenizer(path: str):
+    """BAGEL's tokenizer, read once per checkpoint (a bench shapes several groups)."""
+    from transformers import Qwen2Tokenizer
+
+    return Qwen2Tokenizer.from_pretrained(path)
+
+
 def shaped_trajectory(path, request, config, generator: torch.Generator, text_tokens: int = 64):
     """A text-to-image group shaped as the BAGEL engine returns it for `request`, random values (benchmarks: the
     cost does not depend on them): `text_tokens` prompt ids (and as many negative ones under CFG), the latents of
     every step, BAGEL's schedule. `config`: the model's (`BagelMoT.config`). Edits are not shaped (their image
     blocks would need the autoencoder and the ViT)."""
-    from transformers import Qwen2Tokenizer
-
     from app.models.bagel.model import schedule
     from app.types import Trajectory
 
     if request.is_edit:
         raise ValueError("shaped_trajectory: BAGEL edits are not shaped; bench a text-to-image request")
-    tokenizer = Qwen2Tokenizer.from_pretrained(path)
+    tokenizer = _tokenizer(str(path))
     stride = config["vae_downsample"] * config["latent_patch_size"]
     tokens = (request.height // stride) * (request.width // stride)
     channels = config["latent_patch_size"] ** 2 * config["latent_channels"]
