@@ -349,9 +349,15 @@ class Progress:
         # compiled after this process's first step: a change of shape or state the compiled blocks are guarded on
         new = {side: metrics.get(f"compile/{side}_new_frames", 0.0) for side in ("trainer", "rollout")}
         compiled = ", ".join(f"{side} +{n:.0f} frames" for side, n in new.items() if n) if done > 1 else ""
+        # graphs the compile caches could not hold: a restart, a replacement replica or the next run compiles them
+        # again (the caches' own log says why)
+        uncached = ", ".join(
+            f"{side} {n:.0f} graphs" for side in ("trainer", "rollout")
+            if (n := sum(metrics.get(f"compile/{side}_{c}_bypasses_max", 0.0) for c in ("fx", "aot"))))
         print(f"[flowgrpo] step {step + 1}/{self.total}  reward {reward:+.4f}  loss {loss:+.2e}  "
               f"|ratio-1| first pass {ratio_dev:.1e}{f' (stale groups {stale:.1e})' if stale else ''}  "
               f"logprob mismatch {mismatch:.1e}  "
               f"staleness {metrics['rollout/staleness_max']:.0f}  {metrics['timing/step_s']:.1f}s/step  eta {eta:.0f}s"
-              f"{f'  compiled again: {compiled}' if compiled else ''}",
+              f"{f'  compiled again: {compiled}' if compiled else ''}"
+              f"{f'  not cached: {uncached}' if uncached and done == 1 else ''}",
               file=sys.__stdout__, flush=True)  # the real stdout: Ray Train's print patch would log it twice

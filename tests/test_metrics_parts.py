@@ -75,3 +75,21 @@ def test_the_progress_line_names_a_compilation_after_the_first_step(capfd):
     first, steady, again = capfd.readouterr().out.strip().splitlines()  # the real stdout (Ray Train patches print)
     assert "compiled again" not in first and "compiled again" not in steady
     assert again.endswith("compiled again: trainer +2 frames")
+
+
+def test_the_first_progress_line_names_graphs_the_compile_caches_could_not_hold(capfd):
+    """Graphs inductor or AOTAutograd bypassed (a restart compiles them again) are named once, on the first line."""
+    from app.metrics import Progress
+
+    step = {"reward/mean": 1.0, "actor/loss": 0.0, "actor/ratio_dev_first_pass_max": 0.0,
+            "rollout/logprob_mismatch_max": 0.0, "rollout/staleness_max": 0.0, "timing/step_s": 2.0,
+            "compile/trainer_fx_bypasses_max": 8.0, "compile/trainer_aot_bypasses_max": 0.0,
+            "compile/rollout_fx_bypasses_max": 0.0}
+    progress = Progress(first=0, total=2)
+    progress.step_done(0, step)
+    progress.step_done(1, step)
+    first, second = capfd.readouterr().out.strip().splitlines()
+    assert first.endswith("not cached: trainer 8 graphs")
+    assert "not cached" not in second
+    Progress(first=0, total=1).step_done(0, {**step, "compile/trainer_fx_bypasses_max": 0.0})
+    assert "not cached" not in capfd.readouterr().out
