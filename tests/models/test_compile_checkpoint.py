@@ -56,10 +56,13 @@ def test_a_checkpointed_block_runs_attention_once_and_its_gradients_are_unchange
         assert torch.equal(a, b)
 
 
-def test_a_compiled_checkpointed_block_with_nothing_to_train_runs(tmp_path):
+def test_a_compiled_checkpointed_block_with_nothing_to_train_runs(tmp_path, monkeypatch):
     """A block none of whose weights train (an adapter only outside the blocks) under gradients: torch 2.13 refused
     a recomputed attention there (random ops in a recompute region of an inference graph)."""
-    compile_mod.use_cache_dir(tmp_path / "cache")
+    for name in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_CACHE_DIR",
+                 "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)  # the process's cache settings come back after the test
+    compile_mod.use_cache_dir(tmp_path / "cache")  # a cache of its own: nothing compiled elsewhere is reused
     torch.manual_seed(0)
     blocks = [Block(trainable=False), Block(trainable=False)]
     assert compile_blocks(blocks, checkpoint=True) == 2
