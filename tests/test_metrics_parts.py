@@ -61,13 +61,17 @@ def test_busy_shares_and_gpu_idle_share_by_hand():
     assert cpu == pytest.approx({"perf/rollout_busy_share": 0.35, "perf/trainer_busy_share": 0.45})
 
 
+# the metrics every progress line reads
+LINE = {"reward/mean": 1.0, "actor/loss": 0.0, "actor/ratio_dev_first_pass_max": 0.0,
+        "rollout/logprob_mismatch_max": 0.0, "rollout/staleness_max": 1.0, "timing/step_s": 2.0}
+
+
 def test_the_progress_line_names_a_compilation_after_the_first_step(capfd):
     """A compiled run's console line says when a process compiled again after its first step (a shape or state
     the compiled blocks are guarded on changed); the first step compiles by design and says nothing."""
     from app.metrics import Progress
 
-    step = {"reward/mean": 1.0, "actor/loss": 0.0, "actor/ratio_dev_first_pass_max": 0.0,
-            "rollout/logprob_mismatch_max": 0.0, "rollout/staleness_max": 1.0, "timing/step_s": 2.0}
+    step = LINE
     progress = Progress(first=0, total=3)
     progress.step_done(0, {**step, "compile/trainer_new_frames": 4.0, "compile/rollout_new_frames": 2.0})
     progress.step_done(1, {**step, "compile/trainer_new_frames": 0.0, "compile/rollout_new_frames": 0.0})
@@ -81,9 +85,7 @@ def test_the_first_progress_line_names_graphs_the_compile_caches_could_not_hold(
     """Graphs inductor or AOTAutograd bypassed (a restart compiles them again) are named once, on the first line."""
     from app.metrics import Progress
 
-    step = {"reward/mean": 1.0, "actor/loss": 0.0, "actor/ratio_dev_first_pass_max": 0.0,
-            "rollout/logprob_mismatch_max": 0.0, "rollout/staleness_max": 0.0, "timing/step_s": 2.0,
-            "compile/trainer_fx_bypasses_max": 8.0, "compile/trainer_aot_bypasses_max": 0.0,
+    step = {**LINE, "compile/trainer_fx_bypasses_max": 8.0, "compile/trainer_aot_bypasses_max": 0.0,
             "compile/rollout_fx_bypasses_max": 0.0}
     progress = Progress(first=0, total=2)
     progress.step_done(0, step)

@@ -66,11 +66,9 @@ class Bagel(FamilyBase):
     def prompt_checker(self, path):
         """A prompt must fit the LLM's context (max_position_embeddings positions, shared with the image blocks),
         counted in BAGEL's prompt ids (bos + text + eos)."""
-        from transformers import Qwen2Tokenizer  # BAGEL's (AutoTokenizer would read config.json's model type)
+        from app.models.bagel.context import token_ids, tokenizer_of
 
-        from app.models.bagel.context import token_ids
-
-        tokenizer = Qwen2Tokenizer.from_pretrained(path)
+        tokenizer = tokenizer_of(str(path))
         limit = json.loads((Path(path) / "llm_config.json").read_text())["max_position_embeddings"] - IMAGE_POSITIONS
 
         def problem(text: str) -> str | None:

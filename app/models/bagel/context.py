@@ -194,8 +194,9 @@ def score_trajectory(model: BagelMoT, traj, steps: Sequence[int], samples: Seque
 
 
 @functools.cache
-def _tokenizer(path: str):
-    """BAGEL's tokenizer, read once per checkpoint (a bench shapes several groups)."""
+def tokenizer_of(path: str):
+    """BAGEL's tokenizer (`Qwen2Tokenizer`: AutoTokenizer would read config.json's model type), read once per
+    checkpoint: the prompt checker and the bench's shaped groups share it."""
     from transformers import Qwen2Tokenizer
 
     return Qwen2Tokenizer.from_pretrained(path)
@@ -211,7 +212,7 @@ def shaped_trajectory(path, request, config, generator: torch.Generator, text_to
 
     if request.is_edit:
         raise ValueError("shaped_trajectory: BAGEL edits are not shaped; bench a text-to-image request")
-    tokenizer = _tokenizer(str(path))
+    tokenizer = tokenizer_of(str(path))
     stride = config["vae_downsample"] * config["latent_patch_size"]
     tokens = (request.height // stride) * (request.width // stride)
     channels = config["latent_patch_size"] ** 2 * config["latent_channels"]
