@@ -45,7 +45,7 @@ pack() {
 case "$1" in
   start) rm -rf $RES; mkdir -p $RES; shift
          # lanes: the words up to each @GPUS; a list without one is one lane on every GPU
-         n=0; gpus=(""); words=(""); [[ ${1:-} == @* ]] || n=1
+         n=0; gpus=("" ""); words=("" ""); [[ ${1:-} == @* ]] || n=1
          for w in "$@"; do
            if [[ $w == @* ]]; then n=$((n + 1)); gpus[$n]=${w#@}; words[$n]=""; else words[$n]+="$(printf '%q ' "$w")"; fi
          done
