@@ -94,6 +94,8 @@ class CompileConfig:
     # bit-equal to one without: with it on, take old log-probs from the trainer (train.old_logprob: trainer)
     enabled: bool = False
     backend: str = "inductor"
+    # the CUDA-graph modes (reduce-overhead, max-autotune) replay graphs in the engines' no-grad denoisers, one step
+    # of torch's graph trees per forward; the trainer compiles the same mode without CUDA graphs
     mode: CompileMode = CompileMode.default
     # inductor's cache (FX graphs, autograd graphs, kernels), shared by the run's processes so that a restarted
     # worker, a replacement replica and --resume start warm; null: <logging.dir>/compile_cache for jobs.train,

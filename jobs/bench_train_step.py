@@ -39,7 +39,7 @@ from app.config import load
 from app.flops import group_flops, mfu
 from app.metrics import Stats
 from app.models.attention import sdpa_kernels
-from app.models.compile import cache_counts, compile_counts, compile_seconds
+from app.models.compile import cache_counts, compile_counts, compile_seconds, trainer_mode
 from app.train.policy import Policy
 from app.train.update import make_optimizer, recompute_log_probs, train_pass
 from app.types import Trajectory
@@ -136,7 +136,7 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
         "kl_beta": train.kl_beta,
         "lora_rank": model.lora_rank, "lora_targets": len(model.lora_targets),
         "micro_batch_size": train.micro_batch_size, "gradient_checkpointing": train.gradient_checkpointing,
-        "compiled": policy.compiled, "compile_mode": str(model.compile.mode) if policy.compiled else None,
+        "compiled": policy.compiled, "compile_mode": trainer_mode(model.compile.mode) if policy.compiled else None,
         "real_rope": bool(model.compile.real_rope) if policy.compiled else False,
         "shard_frozen": shard_frozen or world > 1,
         "activation_memory_budget": train.activation_memory_budget,

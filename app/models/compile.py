@@ -124,19 +124,47 @@ def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: st
     return count
 
 
-def apply_compile(module: Any, family: Any, settings: Any) -> int:
+# the modes whose graphs torch replays as CUDA graphs, and each one's graphs without them
+CUDA_GRAPH_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def trainer_mode(mode: Any) -> str:
+    """The mode a trainer compiles for `model.compile.mode`: the same without CUDA graphs (see apply_compile)."""
+    return CUDA_GRAPH_MODES.get(str(mode), str(mode))
+
+
+def _new_cuda_graph_step(block, args) -> None:
+    """One forward of the denoiser (from its first block on) is one step of torch's CUDA-graph trees. Every block
+    runs one compiled function, and each call of it would otherwise start a new generation, whose replay
+    overwrites the outputs of the block before while the forward still holds them."""
+    import torch
+
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+def apply_compile(module: Any, family: Any, settings: Any, *, inference: bool = False) -> int:
     """Compile `module`'s blocks as the family names them, with a `model.compile` section's settings (nothing
     when it is off); returns how many blocks were compiled. A module with gradient checkpointing on (diffusers'
-    `enable_gradient_checkpointing`) has it moved inside the compiled blocks."""
+    `enable_gradient_checkpointing`) has it moved inside the compiled blocks.
+
+    CUDA graphs (`reduce-overhead`, `max-autotune`) serve `inference` modules, the engines' no-grad denoisers: the
+    first block's call marks a step of the graph trees. A trainer compiles the same mode without them: its
+    forwards keep tensors for a backward across other forwards (CFG's two branches, the KL's reference), which a
+    new step would overwrite."""
     if settings is None or not settings.enabled:
         return 0
     use_cache_dir(settings.cache_dir)
     family.prepare_compile(settings)
+    blocks = list(family.compiled_blocks(module))
+    mode = str(settings.mode)
+    if not inference:
+        mode = trainer_mode(mode)
+    elif mode in CUDA_GRAPH_MODES and blocks and not getattr(blocks[0], "_flowgrpo_compiled", False):
+        blocks[0].register_forward_pre_hook(_new_cuda_graph_step)
     checkpoint = bool(getattr(module, "gradient_checkpointing", False))
     if checkpoint:
         module.gradient_checkpointing = False  # the compiled blocks checkpoint themselves
-    return compile_blocks(family.compiled_blocks(module), backend=settings.backend, mode=str(settings.mode),
-                          checkpoint=checkpoint)
+    return compile_blocks(blocks, backend=settings.backend, mode=mode, checkpoint=checkpoint)
 
 
 def compile_counts() -> dict[str, int]:

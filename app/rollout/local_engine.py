@@ -112,7 +112,7 @@ class LocalEngine:
                 elif self.lora is not None:
                     add_zero_lora(module, self.lora)
                 module.requires_grad_(False)
-                self.compiled = apply_compile(module, get_family(self.family), self.compile) > 0
+                self.compiled = apply_compile(module, get_family(self.family), self.compile, inference=True) > 0
                 self.loaded = True
 
     async def start(self) -> None:
