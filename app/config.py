@@ -70,7 +70,7 @@ class OldLogprob(StrEnum):
 
 
 # where a rollout engine that folds the LoRA into its weights keeps the base weights' copy
-MergedBaseOn = _choices("MergedBaseOn", ("device", "host"))
+MergedBaseOn = _choices("MergedBaseOn", ("device", "host", "auto"))
 # torch.compile's modes (None: its default); "reduce-overhead" adds CUDA graphs
 CompileMode = _choices("CompileMode", ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
 
@@ -200,9 +200,10 @@ class RolloutConfig:
     # the generation runs no LoRA matmuls. In-process engines only (diffusers, bagel); the merged forward rounds
     # differently from the trainer's in bf16, so old log-probs come from the trainer (train.old_logprob)
     merge_lora: bool = False
-    # where the copy of the adapted base weights lives: "device" (a second copy in GPU memory; the fastest swap) or
-    # "host" (pinned host memory: no GPU memory, one host-to-GPU copy of those weights per version)
-    merged_base_on: MergedBaseOn = MergedBaseOn("device")
+    # where the copy of the adapted base weights lives: "device" (a second copy in GPU memory; the fastest swap),
+    # "host" (pinned host memory: no GPU memory, one host-to-GPU copy of those weights per version), or "auto" (the
+    # device if the copy takes at most half the GPU's free memory at the first adapter, else the host)
+    merged_base_on: MergedBaseOn = MergedBaseOn("auto")
     # concurrent requests one replica accepts (vllm-omni queues them and batches up to max_num_seqs per forward)
     max_ongoing_requests: int = 4
     max_num_seqs: int = 1

@@ -126,7 +126,7 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
         "dtype": str(config.model.dtype), "compiled": engine.compiled,
         "compile_mode": str(config.model.compile.mode) if engine.compiled else None,
         "real_rope": bool(config.model.compile.real_rope) if engine.compiled else False,
-        "adapter": adapter, "merge_lora": getattr(engine, "merge_lora", None),
+        "adapter": adapter, "merge_lora": getattr(engine, "merged_base_on", None),
         "attention_kernels": sdpa_kernels() if hasattr(engine, "trained_module") else None,  # vllm-omni: its own
         "adapter_swap_s": round(swap, 5) if swap is not None else None,
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,

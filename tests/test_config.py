@@ -80,7 +80,7 @@ def test_merging_the_adapter_needs_an_in_process_engine_and_the_trainers_old_log
     with pytest.raises(ConfigError, match="set train.old_logprob=trainer"):
         load(CONFIGS / "tiny_cpu.yaml", ["rollout.merge_lora=true", "rollout.engine=diffusers",
                                          "train.old_logprob=rollout"])
-    with pytest.raises(ConfigError, match="merged_base_on.*expected one of \\[device, host\\]"):
+    with pytest.raises(ConfigError, match="merged_base_on.*expected one of \\[device, host, auto\\]"):
         load(CONFIGS / "tiny_cpu.yaml", ["rollout.merged_base_on=gpu"])
     config = load(CONFIGS / "tiny_cpu.yaml", ["rollout.merge_lora=true", "rollout.engine=diffusers",
                                               "train.old_logprob=trainer", "rollout.merged_base_on=host"])

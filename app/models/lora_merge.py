@@ -5,7 +5,8 @@ Each version is computed from a kept copy of W0 in fp32 and rounded once to the 
 adapters never drifts (adding the new product and subtracting the old in bf16 would round at every version), and
 the base model comes back bit for bit. The copies are taken the first time an adapter touches a layer: on the
 weight's device (fast, a second copy of the adapted weights in its memory) or in pinned host memory (no GPU
-memory, one host-to-device copy per layer and version).
+memory, one host-to-device copy per layer and version); "auto" chooses at the first adapter, by the GPU's free
+memory then.
 
 The merged forward is not the trainer's unmerged one in bf16 (x·Wᵀ rounds differently from x·W0ᵀ + x·Aᵀ·Bᵀ·α/r),
 so a run that merges takes its old log-probs from the trainer (`train.old_logprob: trainer` or `recompute`).
@@ -18,7 +19,11 @@ import torch
 from app.models.lora import lora_module, transformer_key
 from app.types import LoraAdapter
 
-KEEP_ON = ("device", "host")
+KEEP_ON = ("device", "host", "auto")
+# "auto" keeps the copy on the device when it takes at most this share of the GPU's free memory at the first
+# adapter: the rest is left to the generation's activations and to whatever shares the GPU (a trainer rank
+# beside the replica grows after the replica's first merge)
+AUTO_DEVICE_SHARE = 0.5
 
 
 def adapter_layers(adapter: LoraAdapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -33,6 +38,12 @@ def adapter_layers(adapter: LoraAdapter) -> dict[str, tuple[torch.Tensor, torch.
     return {m: (p["A"], p["B"]) for m, p in parts.items()}
 
 
+def auto_keep_on(copy_bytes: int, free_bytes: int | None) -> str:
+    """Where "auto" keeps a copy of `copy_bytes`: "device" if it takes at most AUTO_DEVICE_SHARE of the GPU's
+    `free_bytes` (None: the weights are not on a GPU, where device and host are one memory), else "host"."""
+    return "device" if free_bytes is None or copy_bytes <= AUTO_DEVICE_SHARE * free_bytes else "host"
+
+
 class MergedLora:
     """Folds one adapter at a time into `module`'s weights; `apply(None)` is the base model again."""
 
@@ -40,7 +51,7 @@ class MergedLora:
         if keep_on not in KEEP_ON:
             raise ValueError(f"keep_on={keep_on!r}: use one of {KEEP_ON}")
         self.module = module
-        self.keep_on = keep_on
+        self.keep_on = keep_on  # "auto" until the first adapter decides
         self.base: dict[str, torch.Tensor] = {}  # module name -> W0, taken before its first merge
         self.merged: set[str] = set()  # the layers holding W0 + (α/r)·B·A now
         self.adapter: LoraAdapter | None = None
@@ -62,6 +73,13 @@ class MergedLora:
     def _weight(self, name: str) -> torch.Tensor:
         return self.module.get_submodule(name).weight
 
+    def _choose_keep_on(self, names) -> None:
+        """`keep_on="auto"`, decided for the weights of `names` (the first adapter's layers)."""
+        weights = [self._weight(name) for name in names]
+        copy_bytes = sum(w.numel() * w.element_size() for w in weights)
+        device = weights[0].device
+        self.keep_on = auto_keep_on(copy_bytes, torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
+
     def _keep(self, name: str) -> torch.Tensor:
         if name not in self.base:
             weight = self._weight(name).detach()
@@ -79,6 +97,8 @@ class MergedLora:
         not fit changes nothing; a failure halfway (out of memory) leaves the base model, never a mixture."""
         layers = adapter_layers(adapter) if adapter is not None else {}
         self._check(layers)
+        if self.keep_on == "auto" and layers:
+            self._choose_keep_on(layers)
         try:
             for name in self.merged - layers.keys():  # layers the previous adapter adapted and this one does not
                 self._weight(name).copy_(self.base[name], non_blocking=True)

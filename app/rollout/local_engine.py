@@ -12,9 +12,9 @@ adapter arrived). So an engine built for a run's LoRA (`lora`) holds that adapte
 is the base model exactly; the base model later (`load_lora(None)`) is that adapter zeroed again rather than
 disabled; and the module stays frozen (peft's `set_adapter` marks an adapter trainable).
 
-With `merge_lora` ("device" or "host": where the base weights' copy is kept; None: off) the adapter is folded into the
-weights instead (app/models/lora_merge.py): no peft layers at all, the module a compiled block sees is the base
-model's, and each version costs one fp32 recomputation of the adapted weights at the swap.
+With `merge_lora` ("device", "host" or "auto": where the base weights' copy is kept; None: off) the adapter is
+folded into the weights instead (app/models/lora_merge.py): no peft layers at all, the module a compiled block sees
+is the base model's, and each version costs one fp32 recomputation of the adapted weights at the swap.
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ class LocalEngine:
         """compile: a `model.compile` section (None or off: eager); lora: the shape of the adapters this engine will
         serve (a run's model section), held from the start as the zero adapter (None: added when one arrives);
         merge_lora: None (a peft adapter beside the weights), or fold it into them, keeping the base weights' copy
-        on the "device" or the "host" (`rollout.merge_lora`, `rollout.merged_base_on`); attention_kernels: the
+        on the "device", the "host" or where it fits ("auto": decided at the first adapter; `merged_base_on`
+        says where) (`rollout.merge_lora`, `rollout.merged_base_on`); attention_kernels: the
         kernels torch's attention may choose among in this process (`model.attention_kernels`; None: torch's)."""
         if merge_lora not in (None, *KEEP_ON):
-            raise ValueError(f"merge_lora={merge_lora!r}: use None, {' or '.join(KEEP_ON)}")
+            raise ValueError(f"merge_lora={merge_lora!r}: use None, {', '.join(KEEP_ON)}")
         self.model_path = str(Path(model_path).resolve())
         self.compile = compile
         self.lora = lora
@@ -81,6 +82,11 @@ class LocalEngine:
     def load_model(self) -> None:
         """Load the model onto `self.device` (called once, under the lock)."""
         raise NotImplementedError
+
+    @property
+    def merged_base_on(self) -> str | None:
+        """Where a merging engine keeps the base weights' copy ("auto" until the first adapter); None: not merging."""
+        return self._merged.keep_on if self._merged is not None else self.merge_lora
 
     def trained_module(self) -> torch.nn.Module:
         """The module the LoRA adapts (and `update_weights` writes)."""
@@ -229,7 +235,7 @@ class LocalEngine:
     async def health(self) -> dict:
         return {"kind": self.kind, "model": self.model_path, "started": self.loaded,
                 "lora_version": self.lora_version, "lora_merged": self.merge_lora is not None,
-                "served": self._served, "errors": self._errors}
+                "merged_base_on": self.merged_base_on, "served": self._served, "errors": self._errors}
 
     async def close(self) -> None:
         self.loaded = False

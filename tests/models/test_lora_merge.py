@@ -5,7 +5,7 @@ and an adapter that does not fit changes nothing."""
 import pytest
 import torch
 
-from app.models.lora_merge import MergedLora, adapter_layers
+from app.models.lora_merge import AUTO_DEVICE_SHARE, MergedLora, adapter_layers, auto_keep_on
 from app.types import LoraAdapter
 
 LAYERS = {"blocks.0.to_q": (24, 16), "blocks.0.to_v": (24, 16), "blocks.1.ff": (40, 24)}  # name: (out, in)
@@ -45,7 +45,7 @@ def _float64_merge(base: torch.Tensor, adapter: LoraAdapter, name: str) -> torch
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("keep_on", ["device", "host"])
+@pytest.mark.parametrize("keep_on", ["device", "host", "auto"])
 def test_a_merged_weight_is_the_float64_sum_rounded_once(dtype, keep_on):
     net = Net(dtype)
     base = _weights(net)
@@ -174,3 +174,20 @@ def test_adapter_layers_reads_peft_and_diffusers_names():
 def test_where_the_base_is_kept_is_checked():
     with pytest.raises(ValueError, match="keep_on='gpu'"):
         MergedLora(Net(torch.float32), keep_on="gpu")
+
+
+def test_auto_keeps_the_copy_on_the_gpu_only_where_it_leaves_room():
+    gib = 2**30
+    assert auto_keep_on(27 * gib, 84 * gib) == "device"  # Qwen-Image's 12 targets, a replica alone on an H200
+    assert auto_keep_on(27 * gib, 23 * gib) == "host"  # the same replica on an H100
+    assert auto_keep_on(int(AUTO_DEVICE_SHARE * 40 * gib), 40 * gib) == "device"
+    assert auto_keep_on(int(AUTO_DEVICE_SHARE * 40 * gib) + 1, 40 * gib) == "host"
+    assert auto_keep_on(27 * gib, None) == "device"  # not on a GPU: one memory
+
+
+def test_auto_decides_at_the_first_adapter_and_keeps_to_it():
+    merged = MergedLora(Net(torch.float32), keep_on="auto")
+    merged.apply(None)
+    assert merged.keep_on == "auto"  # the base model needs no copy yet
+    merged.apply(_adapter(1, rank=4))
+    assert merged.keep_on == "device" and set(merged.base) == set(LAYERS)

@@ -51,7 +51,8 @@ def test_the_recipe_learns_with_the_adapter_merged_into_the_engine(tiny_model_di
     config = load("configs/tiny_cpu.yaml", [f"model.path={tiny_model_dir}", "rollout.engine=diffusers",
                                             "rollout.merge_lora=true", "train.old_logprob=trainer"])
     engine = make_engine(config.model, config.rollout)
-    assert engine.merge_lora == "device"
+    assert engine.merge_lora == "auto"  # rollout.merged_base_on's default
     gains = [gain(reward_curve(engine, tiny_model_dir, config, seed=seed, lr=LR, steps=STEPS)) for seed in SEEDS]
+    assert engine.merged_base_on == "device"  # off a GPU, one memory
     print("merged adapter: gains", " ".join(f"{g:+.4f}" for g in gains))
     assert sum(gains) / len(gains) > THRESHOLD, gains
