@@ -21,8 +21,8 @@ from app.types import LoraAdapter
 
 KEEP_ON = ("device", "host", "auto")
 # "auto" keeps the copy on the device when it takes at most this share of the GPU's free memory at the first
-# adapter: the rest is left to the generation's activations and to whatever shares the GPU (a trainer rank
-# beside the replica grows after the replica's first merge)
+# adapter, leaving the rest to the generation's activations. In a run the first adapter is published after the
+# first trained step, so a trainer rank sharing the GPU holds its peak by then (torch's allocator keeps it)
 AUTO_DEVICE_SHARE = 0.5
 
 
