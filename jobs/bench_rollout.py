@@ -18,7 +18,8 @@ costs the next group (with `rollout.merge_lora=true`: folding it into the weight
 
 --profile FILE writes one more group of an in-process engine under the torch profiler: GPU seconds by kind of
 kernel, the top kernels, and the share of the group's wall time the GPU was busy (`gpu_busy`: well under 1, the
-GPU waits on Python's launches, which CUDA graphs remove).
+GPU waits on Python's launches, which CUDA graphs remove, or on synchronisations); on a GPU also its idle seconds
+in gaps over 50 us and the host operations running in them (`gpu_idle_s`, `gpu_idle_by_host_op`).
 """
 
 import argparse

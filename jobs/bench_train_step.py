@@ -17,9 +17,9 @@ itself), so the first pass's ratios are 1 as in training: `ratio_dev_first_pass_
 `compile_frames_timed` counts compilations during the timed passes, 0 in steady state). Timed: one
 `app.train.update.train_pass` (forward, backward, clipping, optimizer step) after a warm-up pass; the figure is the
 median of --repeats passes (`--profile FILE`: one micro-batch of one trained step under the torch profiler, its GPU
-time by kind of kernel written to FILE as JSON). Useful FLOPs (app/flops.py): forward + input-gradient backward of
-both CFG branches, plus the reference forward when β > 0; gradient checkpointing's recomputation is
-not counted. One JSON line.
+time by kind of kernel and where the GPU waited on the host (`gpu_idle_by_host_op`) written to FILE as JSON).
+Useful FLOPs (app/flops.py): forward + input-gradient backward of both CFG branches, plus the reference forward
+when β > 0; gradient checkpointing's recomputation is not counted. One JSON line.
 """
 
 from __future__ import annotations

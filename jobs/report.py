@@ -37,19 +37,82 @@ def kernel_time_by_kind(profiler) -> dict:
                              "calls": e.count} for e in top]}
 
 
+def idle_gaps(busy: list[tuple[float, float]], window: tuple[float, float],
+              shortest: float = 0.0) -> list[tuple[float, float]]:
+    """The stretches of `window` that no interval of `busy` covers (intervals may overlap: streams), longer than
+    `shortest`, in order."""
+    gaps, reached = [], window[0]
+    for start, end in sorted(busy):
+        if start > reached and start - reached > shortest:
+            gaps.append((reached, min(start, window[1])))
+        reached = max(reached, end)
+        if reached >= window[1]:
+            break
+    if window[1] - reached > shortest:
+        gaps.append((reached, window[1]))
+    return [g for g in gaps if g[1] > g[0]]
+
+
+def host_time_in_gaps(gaps: list[tuple[float, float]], ops: list[tuple[str, float, float, int]],
+                      top: int = 12) -> dict[str, float]:
+    """Each gap's length given to the innermost host operation running at its middle: `ops` are (name, start, end,
+    thread), nested within a thread as a profiler records them; of the threads' innermost running operations the
+    one that began last ("(none)": no recorded operation ran). What the host was doing while the GPU waited."""
+    stacks: dict[int, list[tuple[str, float, float, int]]] = {}
+    ordered, i, spent = sorted(ops, key=lambda op: (op[1], -op[2])), 0, {}
+    for start, end in sorted(gaps):
+        middle = (start + end) / 2
+        while i < len(ordered) and ordered[i][1] <= middle:
+            op, i = ordered[i], i + 1
+            stack = stacks.setdefault(op[3], [])
+            while stack and stack[-1][2] <= op[1]:  # ended before this one began: not its parent
+                stack.pop()
+            stack.append(op)
+        innermost = None
+        for stack in stacks.values():
+            while stack and stack[-1][2] <= middle:
+                stack.pop()
+            if stack and (innermost is None or stack[-1][1] > innermost[1]):
+                innermost = stack[-1]
+        name = innermost[0] if innermost else "(none)"
+        spent[name] = spent.get(name, 0.0) + (end - start)
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1])[:top])
+
+
+def gpu_idle(profiler, shortest_us: float = 50.0) -> dict:
+    """Where the GPU waited in a profiled block: its idle seconds between the first and the last kernel, in gaps
+    longer than `shortest_us`, and the host operations running in them (launch-bound code, synchronisations)."""
+    events = profiler.events()
+    kernels = [(e.time_range.start, e.time_range.end) for e in events
+               if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    if not kernels:
+        return {}
+    window = (min(k[0] for k in kernels), max(k[1] for k in kernels))
+    gaps = idle_gaps(kernels, window, shortest_us)
+    ops = [(e.name, e.time_range.start, e.time_range.end, e.thread) for e in events if e.device_type.name == "CPU"]
+    return {"gpu_idle_s": round(sum(b - a for a, b in gaps) / 1e6, 6), "gpu_idle_gaps": len(gaps),
+            "gpu_idle_by_host_op": {name: round(us / 1e6, 6) for name, us in host_time_in_gaps(gaps, ops).items()}}
+
+
 @contextmanager
 def profiled():
-    """`with profiled() as out:` runs the block under torch's profiler (the GPU's kernels, or the CPU's without one);
-    after it, `out["seconds"]` is its wall time, the GPU drained, and `out["kernels"]` its `kernel_time_by_kind`."""
+    """`with profiled() as out:` runs the block under torch's profiler (the GPU's kernels and the host's operations,
+    or the CPU's alone without a GPU); after it, `out["seconds"]` is its wall time, the GPU drained,
+    `out["kernels"]` its `kernel_time_by_kind` and, on a GPU, `gpu_idle`'s figures."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
     out: dict = {}
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         began = time.perf_counter()
         yield out
         if cuda:
             torch.cuda.synchronize()
         out["seconds"] = time.perf_counter() - began
     out["kernels"] = kernel_time_by_kind(prof)
+    if cuda:
+        try:  # a report only: a profiler that keeps other fields must not cost the bench its line
+            out["kernels"].update(gpu_idle(prof))
+        except Exception as err:
+            out["kernels"]["gpu_idle_error"] = repr(err)[:200]
