@@ -7,6 +7,8 @@
 # On a machine of several GPUs, `@GPUS` words split the list into lanes: each lane runs on its GPUs
 # (CUDA_VISIBLE_DEVICES) beside the others, and a lane waits for the lanes before it that share a GPU:
 #   lease.sh start @0 setup train_step:after @1 RUNS=docs/perf/sd3/gpu_runs.sh build train_step @0,1 train_step_2rank
+# A lane on some GPUs runs on its share of the host's cores (taskset; OMP_NUM_THREADS and inductor's compile
+# threads to match): beside another lane's compilation a bench otherwise finds its GPU idle for want of a CPU.
 # The machine still goes back after 30 minutes held: plan a lease's stages under that. In the project root with the
 # device wheels installed and PYTHONPATH set:
 #   bash docs/perf/kernels/lease.sh start setup "train_step:after" "BUDGET=0.25" "train_step:budget" ... | wait 560
@@ -26,12 +28,24 @@ run_stages() {  # run_stages OUTDIR STAGE...
   done
 }
 all_done() { [ -f $RES/lanes ] && [ "$(ls $RES/lane*/done 2>/dev/null | wc -l)" -ge "$(cat $RES/lanes)" ]; }
+lane_cores() {  # lane_cores GPUS: the cores of those GPUs' equal shares of the host (NGPUS: the machine's GPUs, for
+  # a dry run where nvidia-smi is absent)
+  local ngpus=${NGPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)} cores=$(nproc) list=""
+  local per=$((cores / (ngpus > 0 ? ngpus : 1)))
+  for g in ${1//,/ }; do list+="$((g * per))-$(((g + 1) * per - 1)),"; done
+  echo "${list%,}"
+}
 start_lane() {  # start_lane N GPUS DEPS STAGE...: lane N on GPUS (empty: every GPU) after the lanes DEPS are done
   local n=$1 gpus=$2 deps=$3; shift 3
-  local dir=$RES/lane$n; mkdir -p $dir/out
-  setsid bash -c "$(declare -f run_stages); RUNS=$RUNS
+  local dir=$RES/lane$n pin=() env=""; mkdir -p $dir/out
+  if [ -n "$gpus" ]; then
+    local cores; cores=$(lane_cores $gpus); pin=(taskset -c $cores)
+    local count; count=$(taskset -c $cores nproc)
+    env="export CUDA_VISIBLE_DEVICES=$gpus OMP_NUM_THREADS=$count TORCHINDUCTOR_COMPILE_THREADS=$count;"
+  fi
+  setsid "${pin[@]}" bash -c "$(declare -f run_stages); RUNS=$RUNS
     for d in $deps; do until [ -f $RES/lane\$d/done ]; do sleep 5; done; done
-    $([ -n "$gpus" ] && echo "export CUDA_VISIBLE_DEVICES=$gpus;") echo \"== lane $n gpus ${gpus:-all} \$(date +%T)\"
+    $env echo \"== lane $n gpus ${gpus:-all} cores ${cores:-all} \$(date +%T)\"
     run_stages $dir/out $(printf '%q ' "$@"); touch $dir/done" > $dir/stages.log 2>&1 < /dev/null &
 }
 pack() {
