@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from app.algo.sde import SDE_TYPES
 from app.algo.sde_window import PLACEMENTS
 from app.models.attention import SDPA_KERNELS
+from app.models.compile import CUDA_GRAPH_MODES
 from app.models.family import FAMILY_NAMES, all_engines, get_family
 from app.rewards.composite import MODEL_REWARDS, REWARD_NAMES
 from app.rewards.ocr import DETECT_MIN_SIDE
@@ -521,6 +522,12 @@ def _check_app(config: AppConfig | RunConfig) -> None:
              f"model.attention_kernels={model.attention_kernels}: name one or more of {list(SDPA_KERNELS)} (or null: "
              "torch's choice)")
     engines = get_family(model.family).engines
+    mode = str(model.compile.mode)
+    if mode in CUDA_GRAPH_MODES:
+        _require(get_family(model.family).cuda_graphs,
+                 f"model.compile.mode={mode} replays the engine's blocks as CUDA graphs, whose next replay overwrites "
+                 f"what a block returned; model.family={model.family} keeps that across forwards (the context's "
+                 f"keys and values): use {CUDA_GRAPH_MODES[mode]}")
     _require(rollout.engine in engines,
              f"rollout.engine={rollout.engine} cannot run model.family={model.family}: use one of {list(engines)}")
     _require(not rollout.merge_lora or rollout.engine != Engine.vllm_omni,

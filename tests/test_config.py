@@ -275,6 +275,10 @@ def test_compile_needs_old_log_probs_from_the_trainer_and_its_settings_are_check
     assert load(tiny, ["model.compile.enabled=true", "train.old_logprob=recompute"]).model.compile.enabled
     with pytest.raises(ConfigError, match="model.compile.mode"):
         load(tiny, ["model.compile.mode=fastest"])
+    bagel = ["model.family=bagel", "rollout.engine=bagel", "train.old_logprob=trainer", "model.path=/nonexistent"]
+    with pytest.raises(ConfigError, match="model.family=bagel keeps that across forwards.*use default"):
+        load(tiny, [*bagel, "model.compile.mode=reduce-overhead"])
+    assert load(tiny, [*bagel, "model.compile.mode=max-autotune-no-cudagraphs"]).model.family == "bagel"
     with pytest.raises(ConfigError, match="num_inner_epochs=2.*recompute"):
         load(tiny, ["train.old_logprob=trainer", "train.num_inner_epochs=2"])
     with pytest.raises(ConfigError, match="max_staleness=1.*rollout or trainer"):

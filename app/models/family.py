@@ -93,6 +93,9 @@ class FamilyBase:
     # the checkpoints jobs.make_tiny_models builds, and which of them is the tiny one (tests, the CPU demo)
     presets: dict[str, Preset]
     tiny_preset: str
+    # an engine's denoiser may replay its compiled blocks as CUDA graphs (model.compile.mode: reduce-overhead):
+    # nothing a block returns is kept past the forward, whose next replay overwrites it
+    cuda_graphs: bool
 
     def checkpoint_problem(self, path: str | Path) -> str | None:
         """None when `path` looks like a checkpoint of the family, else what is missing."""
