@@ -85,6 +85,7 @@ def test_bench_train_step_prints_one_json_line(tmp_path, config, preset):
     assert result["ratio_dev_first_pass_max"] == 0.0  # every pass's old log-probs are of the adapter it finds
     profile = json.loads((tmp_path / "profile.json").read_text())  # GPU kernels only: none on a CPU
     assert profile["micro_step_s"] > 0 and profile["images"] == 4 and profile["gpu_s_total"] == 0
+    assert profile["gpu_busy"] is None  # no GPU to be busy
 
 
 def test_bench_publish_swap_prints_one_json_line():
