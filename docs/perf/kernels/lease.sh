@@ -30,7 +30,7 @@ run_stages() {  # run_stages OUTDIR STAGE...
 all_done() { [ -f $RES/lanes ] && [ "$(ls $RES/lane*/done 2>/dev/null | wc -l)" -ge "$(cat $RES/lanes)" ]; }
 lane_cores() {  # lane_cores GPUS: the cores of those GPUs' equal shares of the host (NGPUS: the machine's GPUs, for
   # a dry run where nvidia-smi is absent)
-  local ngpus=${NGPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)} cores=$(nproc) list=""
+  local ngpus=${NGPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)} cores=$(nproc --all) list=""
   local per=$((cores / (ngpus > 0 ? ngpus : 1)))
   for g in ${1//,/ }; do list+="$((g * per))-$(((g + 1) * per - 1)),"; done
   echo "${list%,}"
