@@ -69,10 +69,8 @@ async def _profile(engine, request, path: str) -> None:
     """One group under the profiler (the engine's kernels run in this process)."""
     with profiled() as out:
         await engine.generate(request)
-    kernels, group_s = out["kernels"], out["seconds"]
-    busy = round(kernels["gpu_s_total"] / group_s, 3) if torch.cuda.is_available() else None
-    Path(path).write_text(json.dumps({"group_s": round(group_s, 3), "images": request.n, "gpu_busy": busy,
-                                      **kernels}, indent=1))
+    Path(path).write_text(json.dumps({"group_s": round(out["seconds"], 3), "images": request.n,
+                                      "gpu_busy": out["gpu_busy"], **out["kernels"]}, indent=1))
 
 
 async def bench(config, groups: int, repeats: int, batched_only: bool = False, adapter: bool = False,

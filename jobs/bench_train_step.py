@@ -115,9 +115,8 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
             loss.backward()
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:
-            busy = round(out["kernels"]["gpu_s_total"] / out["seconds"], 3) if cuda else None
             Path(profile).write_text(json.dumps({"micro_step_s": round(out["seconds"], 3), "images": len(samples),
-                                                 "gpu_busy": busy, **out["kernels"]}, indent=1))
+                                                 "gpu_busy": out["gpu_busy"], **out["kernels"]}, indent=1))
     images = world * groups * rollout.group_size
     trained = len(trained_steps(batch[0].stochastic_steps, train.timestep_fraction, seed=train.seed, step=0,
                                 group=0, epoch=0))  # per image, each pass: the window's steps, or a fraction of all

@@ -98,7 +98,8 @@ def gpu_idle(profiler, shortest_us: float = 50.0) -> dict:
 def profiled():
     """`with profiled() as out:` runs the block under torch's profiler (the GPU's kernels and the host's operations,
     or the CPU's alone without a GPU); after it, `out["seconds"]` is its wall time, the GPU drained,
-    `out["kernels"]` its `kernel_time_by_kind` and, on a GPU, `gpu_idle`'s figures."""
+    `out["kernels"]` its `kernel_time_by_kind` and, on a GPU, `gpu_idle`'s figures, and `out["gpu_busy"]` the share
+    of the wall time the GPU worked (None without a GPU)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -111,6 +112,7 @@ def profiled():
             torch.cuda.synchronize()
         out["seconds"] = time.perf_counter() - began
     out["kernels"] = kernel_time_by_kind(prof)
+    out["gpu_busy"] = round(out["kernels"]["gpu_s_total"] / out["seconds"], 3) if cuda else None
     if cuda:
         try:  # a report only: a profiler that keeps other fields must not cost the bench its line
             out["kernels"].update(gpu_idle(prof))

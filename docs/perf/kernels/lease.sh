@@ -17,6 +17,7 @@
 # lease; PACK_CACHE=0 leaves it on the machine).
 set -uo pipefail
 RES=/tmp/kernels; RUNS=${RUNS:-docs/perf/kernels/gpu_runs.sh}  # RUNS=stub: a dry run
+source "${BASH_SOURCE%/*}/../cores.sh"
 
 run_stages() {  # run_stages OUTDIR STAGE...
   local out=$1; shift
@@ -28,18 +29,11 @@ run_stages() {  # run_stages OUTDIR STAGE...
   done
 }
 all_done() { [ -f $RES/lanes ] && [ "$(ls $RES/lane*/done 2>/dev/null | wc -l)" -ge "$(cat $RES/lanes)" ]; }
-lane_cores() {  # lane_cores GPUS: the cores of those GPUs' equal shares of the host (NGPUS: the machine's GPUs, for
-  # a dry run where nvidia-smi is absent)
-  local ngpus=${NGPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)} cores=$(nproc --all) list=""
-  local per=$((cores / (ngpus > 0 ? ngpus : 1)))
-  for g in ${1//,/ }; do list+="$((g * per))-$(((g + 1) * per - 1)),"; done
-  echo "${list%,}"
-}
 start_lane() {  # start_lane N GPUS DEPS STAGE...: lane N on GPUS (empty: every GPU) after the lanes DEPS are done
   local n=$1 gpus=$2 deps=$3; shift 3
   local dir=$RES/lane$n pin=() env=""; mkdir -p $dir/out
   if [ -n "$gpus" ]; then
-    local cores; cores=$(lane_cores $gpus); pin=(taskset -c $cores)
+    local cores; cores=$(gpu_cores $gpus); pin=(taskset -c $cores)
     local count; count=$(taskset -c $cores nproc)
     env="export CUDA_VISIBLE_DEVICES=$gpus OMP_NUM_THREADS=$count TORCHINDUCTOR_COMPILE_THREADS=$count;"
   fi

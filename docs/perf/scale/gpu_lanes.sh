@@ -13,19 +13,18 @@
 set -uo pipefail
 RES=/tmp/lanes; RUNS=${RUNS:-docs/perf/scale/gpu_runs.sh}  # RUNS=stub: a dry run of the plan
 SEED=${SEED_CACHE:-.devcache/compile_cache_scale.tgz}
+source "${BASH_SOURCE%/*}/../cores.sh"
 # the learning check (issue 34 point 4): 40 steps, the eval set's JPEG reward every 10 (16 held-out prompts,
 # deterministic), before the first step too
 LEARN=(train.max_staleness=1 eval.every=10 eval.before_train=true eval.prompts=ocr_eval eval.max_prompts=16)
 SHARED=(rollout.num_replicas=2 rollout.replica_num_gpus=0.6 cluster.num_workers=2 cluster.worker_num_gpus=0.4)
 
 lane() {  # lane GPUS NAME PORT: the environment of one lane, on its GPUs' share of the host's cores (the lanes'
-  # compilations and rewards then leave each other's CPUs alone; NGPUS: the machine's GPUs, for a dry run)
+  # compilations and rewards then leave each other's CPUs alone; docs/perf/cores.sh)
   export CUDA_VISIBLE_DEVICES=$1 RAY_TMPDIR=/tmp/ray_$2 OUT=$RES/$2 PORT=$3
   mkdir -p $RAY_TMPDIR $OUT
-  local ngpus=${NGPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)} cores=""
-  local per=$(($(nproc --all) / (ngpus > 0 ? ngpus : 1)))
-  for g in ${1//,/ }; do cores+="$((g * per))-$(((g + 1) * per - 1)),"; done
-  taskset -cp "${cores%,}" $$ > /dev/null && echo "lane $2: GPUs $1, cores ${cores%,}"
+  local cores; cores=$(gpu_cores $1)
+  taskset -cp "$cores" $$ > /dev/null && echo "lane $2: GPUs $1, cores $cores"
 }
 # 4 GPUs, the per-GPU load of the 2-GPU runs: 4 groups (32 images) a step; 1 + 3 takes 3 (groups divide over ranks)
 QUAD=(train.max_staleness=1 train.groups_per_step=4)
