@@ -19,9 +19,16 @@ With `k = train.max_staleness` >= 1 the sides work beside each other and the slo
     k  = 0:          step = rollout + reward_tail + train + overhead
 
 r: a replica's seconds per image, t: a rank's seconds per image (the train phase times the ranks, over the images),
-overhead: publish and bookkeeping per step, reward_tail: the reward still running after the last group. FSDP2 is
-taken to scale perfectly over ranks (its collectives are the prediction's blind spot, checked against runs:
-docs/perf/scale/). Pure arithmetic: no Ray, no config objects.
+overhead: publish and bookkeeping per step, reward_tail: the reward still running after the last group.
+
+FSDP2 gathers each block's frozen base from every rank at each pass, (W - 1) / W of the weights a rank: a rank's
+seconds per image grow with the ranks as
+
+    t(W) = t(1) · (1 + c · (W - 1) / W)
+
+with `c` (`Rates.rank_overhead`) fitted from the trainer bench at two rank counts (`rank_overhead`; 0: perfect
+scaling). On 2x H200 two ranks cost 1.12x one rank per image (1.02x keeping each block's gather for its backward),
+and the loop on 4 GPUs matched it (docs/perf/scale/). Pure arithmetic: no Ray, no config objects.
 """
 
 from __future__ import annotations
@@ -47,11 +54,21 @@ class Rates:
     trainer_gib: float | None = None  # peak GPU memory of a rank, at `ranks` ranks
     ranks: int = 1  # FSDP2 ranks of the measurement (the trainer's memory shrinks with more)
     shared: bool = False  # measured with both halves on the same GPUs (pipelined: their contention is in the rates)
+    rank_overhead: float = 0.0  # c of t(W) = t(1)(1 + c(W - 1)/W): FSDP2's gathers (module docstring)
     source: str = ""
 
     def __post_init__(self):
         if not (self.rollout_s > 0 and self.train_s > 0):
             raise ValueError(f"rates must be positive: rollout {self.rollout_s} s/image, train {self.train_s} s/image")
+        if self.rank_overhead < 0:
+            raise ValueError(f"rank overhead {self.rank_overhead} must be >= 0 (more ranks cost no less per image)")
+
+    def train_s_at(self, ranks: int) -> float:
+        """A rank's seconds per image with `ranks` FSDP2 ranks, from the `self.ranks` it was measured at."""
+        def growth(w: int) -> float:
+            return 1.0 + self.rank_overhead * (w - 1) / w
+
+        return self.train_s / growth(self.ranks) * growth(ranks)
 
 
 @dataclass(frozen=True)
@@ -109,7 +126,7 @@ def predict(rates: Rates, placement: Placement, *, groups: int, group_size: int,
         raise ValueError(f"shared-GPU efficiency {efficiency} must be in (0, 1]")
     shared = placement.kind == "shared"
     rollout = math.ceil(groups / placement.replicas) * group_size * rates.rollout_s
-    train = groups / placement.ranks * group_size * rates.train_s
+    train = groups / placement.ranks * group_size * rates.train_s_at(placement.ranks)
     if placement.staleness >= 1:
         busy = max(rollout, train, (rollout + train) / efficiency if shared else 0.0)
         step = busy + rates.overhead_s
@@ -213,3 +230,33 @@ def rates_from_benches(rollout: dict, train: dict, *, trained_steps: int, source
     tflop = rollout.get("batched_tflops", 0.0) / img_s + train.get("useful_tflops", 0.0) * train_s
     return Rates(rollout_s=1.0 / img_s, train_s=train_s, useful_tflop=tflop, trainer_gib=train.get("gpu_peak_gib"),
                  source=source or "the benches")
+
+
+def rank_overhead(bench_lines: list[dict]) -> tuple[float, str]:
+    """(c, what it came from): the FSDP2 term of the module docstring, fitted from `jobs.bench_train_step` lines of
+    one recipe at two or more world sizes (the last line of each size; the smallest and the largest size fit it).
+    Their `ms_per_image_step` is the trainer's wall time, so a rank's cost per image is it times the ranks."""
+    by_ranks: dict[int, dict] = {}
+    for line in bench_lines:
+        if "ms_per_image_step" not in line or "world_size" not in line:
+            raise ValueError("expected jobs.bench_train_step lines (world_size, ms_per_image_step)")
+        by_ranks[int(line["world_size"])] = line
+    if len(by_ranks) < 2:
+        raise ValueError(f"the trainer bench at one world size only ({', '.join(map(str, by_ranks))}): give its "
+                         f"lines at two rank counts (torchrun --nproc_per_node=N -m jobs.bench_train_step)")
+    low, high = min(by_ranks), max(by_ranks)
+    keys = ("layers", "size", "micro_batch_size", "gradient_checkpointing", "activation_memory_budget")
+    differ = [k for k in keys if by_ranks[low].get(k) != by_ranks[high].get(k)]
+    if differ:
+        raise ValueError(f"the bench lines at {low} and {high} ranks measure different recipes ({', '.join(differ)})")
+    ratio = (by_ranks[high]["ms_per_image_step"] * high) / (by_ranks[low]["ms_per_image_step"] * low)
+
+    def share(w: int) -> float:  # of the weights a rank gathers
+        return (w - 1) / w
+
+    denominator = share(high) - ratio * share(low)
+    if denominator <= 0:
+        raise ValueError(f"{high} ranks cost {ratio:.2f}x {low} per image: more than gathering the weights explains "
+                         f"(t(W) = t(1)(1 + c(W - 1)/W)); give the bench at 1 rank and at more")
+    c = max(0.0, (ratio - 1) / denominator)
+    return c, f"{high} ranks cost {ratio:.3f}x {low} per image"

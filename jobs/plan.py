@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from app.algo.sde_window import stochastic_steps
 from app.algo.timesteps import trained_steps
 from app.config import ConfigError, load
-from app.plan import Prediction, Rates, plan, rates_from_benches, rates_from_metrics, reward_replicas
+from app.plan import Prediction, Rates, plan, rank_overhead, rates_from_benches, rates_from_metrics, reward_replicas
 
 
 class PlanError(ValueError):
@@ -62,6 +63,28 @@ def measured_rates(args, config) -> Rates:
     train = read_jsonl(args.bench_train, "--bench-train")[-1]
     return rates_from_benches(rollout, train, trained_steps=trained_steps_per_image(config),
                               source=f"{args.bench_rollout} and {args.bench_train}")
+
+
+def with_rank_overhead(rates: Rates, paths: list[str] | None, config) -> Rates:
+    """The rates with FSDP2's cost of more ranks (app/plan.py `rank_overhead`), fitted from the --bench-train-ranks
+    lines that ran the recipe's trainer: its checkpointing and activation budget, and with several ranks its
+    `train.reshard_after_forward` (a file of every variant a lease ran can be given as it is)."""
+    if not paths:
+        return rates
+    train = config.train
+    want = {"gradient_checkpointing": train.gradient_checkpointing,
+            "activation_memory_budget": train.activation_memory_budget}
+    lines = [line for path in paths for line in read_jsonl(path, "--bench-train-ranks")
+             if line.get("bench") == "train_step"]
+    mine = [line for line in lines if all(line.get(k) == v for k, v in want.items())
+            and (line.get("world_size", 1) == 1 or line.get("reshard_after_forward") == train.reshard_after_forward)]
+    if len({line.get("world_size") for line in mine}) < 2:
+        raise PlanError(f"--bench-train-ranks: no two world sizes of the trainer bench with the recipe's "
+                        f"{', '.join(f'train.{k}={v}' for k, v in want.items())} and, on several ranks, "
+                        f"train.reshard_after_forward={train.reshard_after_forward} ({len(lines)} bench lines, "
+                        f"{len(mine)} of them match)")
+    c, why = rank_overhead(mine)
+    return replace(rates, rank_overhead=c, source=f"{rates.source}; FSDP2 from the trainer bench: {why}")
 
 
 def trained_steps_per_image(config) -> int:
@@ -110,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics", help="metrics.jsonl of a run of the same recipe (its config.yaml beside it)")
     parser.add_argument("--bench-rollout", help="jobs.bench_rollout's JSON line(s), the last is used")
     parser.add_argument("--bench-train", help="jobs.bench_train_step's JSON line(s), the last is used")
+    parser.add_argument("--bench-train-ranks", nargs="+", metavar="JSONL",
+                        help="jobs.bench_train_step lines of the recipe at two or more world sizes (torchrun "
+                             "--nproc_per_node=N): what more FSDP2 ranks cost per image (default: nothing)")
     parser.add_argument("--gpu-gib", type=float, help="memory of one GPU (default: this machine's first GPU)")
     parser.add_argument("--shared-efficiency", type=float, default=0.9,
                         help="the share of both halves' work alone that one shared GPU gets done while both run "
@@ -121,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpus < 1:
             raise PlanError(f"--gpus {args.gpus}: at least one GPU")
         config = load(args.config, args.overrides)
-        rates = measured_rates(args, config)
+        rates = with_rank_overhead(measured_rates(args, config), args.bench_train_ranks, config)
         gib = gpu_memory_gib(args.gpu_gib)
         groups, n = config.train.groups_per_step, config.rollout.group_size
         predictions = plan(rates, gpus=args.gpus, groups=groups, group_size=n, staleness=config.train.max_staleness,
@@ -141,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jobs.plan: {args.gpus} GPU(s){f' of {gib:.0f} GiB' if gib else ' (memory not checked: --gpu-gib)'}, "
           f"{groups} groups of {n} a step, {'pipelined' if k else 'on-policy'} (train.max_staleness={k})")
     print(f"rates from {rates.source}: rollout {rates.rollout_s:.3f} s/image per replica, train {rates.train_s:.3f} "
-          f"s/image per rank, overhead {rates.overhead_s:.2f} s/step")
+          f"s/image per rank{f' at {rates.ranks}' if rates.rank_overhead else ''}, overhead {rates.overhead_s:.2f} "
+          f"s/step{f', FSDP2 term c = {rates.rank_overhead:.3f}' if rates.rank_overhead else ''}")
     print(table(predictions))
     best = predictions[0]
     if best.fits is False:
