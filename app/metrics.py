@@ -8,6 +8,7 @@ import math
 import sys
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +29,9 @@ class RunLog:
         self.history = self.dir / "metrics.jsonl"
         self.ray_metrics = RayMetrics(self.dir.name)
         self.progress = Progress(first=first_step, total=total_steps)
+        # image grids are drawn and encoded (PNG, tensorboard) off the training loop's thread: 2.3-2.7 s for 16
+        # images of 512² on the step that logs them, measured on 4x H200 (docs/perf/scale/lease4_4xh200/)
+        self.drawing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-grid")
 
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
         """Step `step` (0-based) is done: its metrics to tensorboard, the history and Ray; its progress line."""
@@ -45,9 +49,17 @@ class RunLog:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def log_images(self, step: int, images: np.ndarray, prompts: list[str],
-                   rewards: list[dict[str, list[float]]]) -> Path:
+                   rewards: list[dict[str, list[float]]]) -> Future:
         """uint8 [N, H, W, 3] images, one row per prompt group, each labelled with its rewards (`rewards[g]`:
-        {"total": [...], component: [...]}), as a PNG and a tensorboard image."""
+        {"total": [...], component: [...]}), as a PNG and a tensorboard image, drawn by a background thread: returns
+        at once, with a future of the PNG's path (`close` waits for every grid). A grid that fails is said on
+        stderr and costs the run nothing."""
+        future = self.drawing.submit(self._draw_images, step, images, prompts, rewards)
+        future.add_done_callback(_say_if_failed)
+        return future
+
+    def _draw_images(self, step: int, images: np.ndarray, prompts: list[str],
+                     rewards: list[dict[str, list[float]]]) -> Path:
         grid = labelled_grid(images, prompts, rewards)
         path = self.dir / "images" / f"step_{step:06d}.png"
         from PIL import Image
@@ -58,7 +70,13 @@ class RunLog:
         return path
 
     def close(self) -> None:
+        self.drawing.shutdown(wait=True)
         self.writer.close()
+
+
+def _say_if_failed(future: Future) -> None:
+    if future.exception() is not None:
+        print(f"[flowgrpo] the step's image grid was not logged: {future.exception()!r}", file=sys.stderr, flush=True)
 
 
 def image_grid(images: np.ndarray, rows: int) -> np.ndarray:

@@ -95,3 +95,36 @@ def test_the_first_progress_line_names_graphs_the_compile_caches_could_not_hold(
     assert "not cached" not in second
     Progress(first=0, total=1).step_done(0, {**step, "compile/trainer_fx_bypasses_max": 0.0})
     assert "not cached" not in capfd.readouterr().out
+
+
+def test_image_grids_are_drawn_off_the_loops_thread(tmp_path, monkeypatch, capfd):
+    """`RunLog.log_images` returns before the grid is drawn (the drawing waits here until the caller has its
+    future back; drawn on the caller's thread it would hold the caller 10 s and say so); `close` leaves the PNG and
+    the tensorboard image written, and a grid that fails is said on stderr without raising."""
+    import threading
+
+    import numpy as np
+    from PIL import Image
+
+    import app.metrics as metrics
+
+    returned, drawn_on = threading.Event(), []
+    draw = metrics.labelled_grid
+
+    def slow_grid(*args, **kwargs):
+        drawn_on.append((threading.current_thread().name, returned.wait(10)))
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(metrics, "labelled_grid", slow_grid)
+    log = metrics.RunLog(tmp_path, first_step=0, total_steps=2)
+    images = np.full((4, 16, 16, 3), 128, np.uint8)
+    done = log.log_images(1, images, ["a sign", "a cat"], [{"total": [0.1, 0.2]}, {"total": [0.3, 0.4]}])
+    returned.set()
+    broken = log.log_images(2, images[:3], ["a sign", "a cat"], [{"total": [0.1]}, {"total": [0.2]}])  # 3 in 2 rows
+    log.close()
+    assert drawn_on[0] == ("image-grid_0", True)  # another thread, which found the caller already returned
+    png = tmp_path / "images" / "step_000001.png"
+    assert done.result() == png and Image.open(png).size[0] >= 2 * 192
+    assert any(f.name.startswith("events.out.tfevents") for f in (tmp_path / "tensorboard").iterdir())
+    assert isinstance(broken.exception(), ValueError) and not (tmp_path / "images" / "step_000002.png").exists()
+    assert "the step's image grid was not logged: ValueError('3 images, 2 prompts" in capfd.readouterr().err
