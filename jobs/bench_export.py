@@ -12,7 +12,8 @@ Qwen-Image's 60 blocks: 1,440 tensors, 425M fp32 parameters), sharded as FSDP2 s
 - `gathered`: `app.train.gather.to_host` as a checkpoint calls it (fp32): one all-gather of every shard, one host
   copy per tensor;
 - `gathered_bf16`: `to_host` as a step publishes (cast to the replicas' bf16 before the all-gather): one
-  all-gather, one device buffer, one host copy.
+  all-gather, one device buffer, one host copy into pinned memory (`gathered_bf16_pageable`: into fresh pageable
+  memory, as until 2026-11-27).
 
 Prints one JSON line (rank 0): the median seconds of each over --repeats, and the bytes each brings to the host.
 Plain torch and NCCL: no Ray, no model.
@@ -55,6 +56,10 @@ def queued(params, dtype):
     return {name: t.to("cpu", dtype=dtype, copy=True) for (name, _), t in zip(params, full, strict=True)}
 
 
+def pageable(params, dtype):
+    return to_host(params, dtype, pinned=False)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=60)
@@ -73,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
               for name, shape in recipe_shapes(args.layers, args.rank).items()]
 
     paths = {"each": (each, None), "queued": (queued, None), "queued_bf16": (queued, torch.bfloat16),
-             "gathered": (to_host, None), "gathered_bf16": (to_host, torch.bfloat16)}
+             "gathered": (to_host, None), "gathered_bf16": (to_host, torch.bfloat16),
+             "gathered_bf16_pageable": (pageable, torch.bfloat16)}
     seconds = {name: [] for name in paths}
     host_bytes = {}
     for repeat in range(args.repeats + 1):  # the first round warms NCCL and the allocator up

@@ -30,8 +30,8 @@ def _rank(rank: int, world: int, port: int, failures) -> None:
         for got, want in zip(gather_full(tensors, torch.bfloat16), expected, strict=True):
             assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
         named = [(f"t{k}", t) for k, t in enumerate(tensors)]
-        for dtype in (None, torch.bfloat16):
-            host = to_host(named, dtype)
+        for dtype, pinned in [(None, True), (torch.bfloat16, True), (torch.bfloat16, False)]:
+            host = to_host(named, dtype, pinned=pinned)  # pinned: on a GPU only (the same values)
             for k, want in enumerate(expected):
                 assert host[f"t{k}"].device.type == "cpu"
                 assert torch.equal(host[f"t{k}"], want.to(dtype or want.dtype)), (k, dtype)
