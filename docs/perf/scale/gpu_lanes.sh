@@ -28,49 +28,58 @@ lane() {  # lane GPUS NAME PORT: the environment of one lane, on its GPUs' share
 }
 # 4 GPUs, the per-GPU load of the 2-GPU runs: 4 groups (32 images) a step; 1 + 3 takes 3 (groups divide over ranks)
 QUAD=(train.max_staleness=1 train.groups_per_step=4)
-# this lease's 2-GPU lanes, side by side before the 4-GPU runs: the split on today's code (the weak-scaling baseline),
-# and the split whose trainer GPU holds nothing else with activation memory in place of checkpointing
-lane_a() { lane 0,1 a 8001; bash $RUNS job split_k1 10 "${SPLIT[@]}" train.max_staleness=1 cluster.serve_port=$PORT; }
-lane_b() { lane 2,3 b 8002; bash $RUNS job split_k1_budget 10 "${SPLIT[@]}" train.max_staleness=1 \
-  train.gradient_checkpointing=false train.activation_memory_budget=0.25 cluster.serve_port=$PORT; }
+# this lease's 2-GPU lanes, side by side before the 4-GPU runs: the weak-scaling baseline of the best 4-GPU recipe
+# (the split, activation memory in place of checkpointing), and beside it the checkpointed split (the budget's
+# 1.07x of 2026-11-27 again)
+BUDGET=(train.gradient_checkpointing=false train.activation_memory_budget=0.25)
+lane_a() { lane 0,1 a 8001; bash $RUNS job split_k1_budget 10 "${SPLIT[@]}" train.max_staleness=1 "${BUDGET[@]}" \
+  cluster.serve_port=$PORT; }
+lane_b() { lane 2,3 b 8002; bash $RUNS job split_k1 10 "${SPLIT[@]}" train.max_staleness=1 cluster.serve_port=$PORT; }
 SPLIT=(rollout.num_replicas=1 cluster.num_workers=1)
 # the 4-GPU runs in order of what issue 38 needs first; a lease that runs out leaves the rest to the next one:
 #   QUAD_RUNS="q_eager_2p2" bash gpu_lanes.sh start quad
-QUAD_RUNS=${QUAD_RUNS:-q_2p2 q_2p2_keep q_3p1 q_1p3 q_shared4_mor1 q_eager_2p2}
-quad_run() {  # quad_run NAME: one 4-GPU placement, 10 steps
-  local placement
+QUAD_RUNS=${QUAD_RUNS:-q_2p2_keep_budget q_1p3 q_shared4_mor1 q_3p1 q_eager_2p2}
+placement_of() {  # placement_of NAME: the overrides of one 4-GPU placement, into PLACEMENT
   case $1 in
-    q_2p2) placement=(rollout.num_replicas=2 cluster.num_workers=2) ;;
-    q_3p1) placement=(rollout.num_replicas=3 cluster.num_workers=1) ;;
-    q_1p3) placement=(train.groups_per_step=3 rollout.num_replicas=1 cluster.num_workers=3) ;;
-    q_shared4_mor1) placement=(rollout.num_replicas=4 rollout.replica_num_gpus=0.6 cluster.num_workers=4
+    q_2p2) PLACEMENT=(rollout.num_replicas=2 cluster.num_workers=2) ;;
+    q_3p1) PLACEMENT=(rollout.num_replicas=3 cluster.num_workers=1) ;;
+    q_1p3) PLACEMENT=(train.groups_per_step=3 rollout.num_replicas=1 cluster.num_workers=3) ;;
+    q_shared4_mor1) PLACEMENT=(rollout.num_replicas=4 rollout.replica_num_gpus=0.6 cluster.num_workers=4
                                cluster.worker_num_gpus=0.4 rollout.max_ongoing_requests=1) ;;
-    q_eager_2p2) placement=(rollout.num_replicas=2 cluster.num_workers=2 model.compile.enabled=false
+    q_eager_2p2) PLACEMENT=(rollout.num_replicas=2 cluster.num_workers=2 model.compile.enabled=false
                             train.old_logprob=rollout) ;;
     # issue 36 point 2 in the job: 2 + 2 with each block's gathered base kept from its forward to its backward
-    # (75 against 40 GiB a rank in the trainer bench: H200s only), against q_2p2
-    q_2p2_keep) placement=(rollout.num_replicas=2 cluster.num_workers=2 train.reshard_after_forward=false) ;;
+    # (74.5 against 40 GiB a rank: H200s only), 1.05x q_2p2 on 2026-11-27
+    q_2p2_keep) PLACEMENT=(rollout.num_replicas=2 cluster.num_workers=2 train.reshard_after_forward=false) ;;
+    # and activation memory in place of checkpointing (+13 GiB a rank: 1.07x on the 2-GPU split)
+    q_2p2_keep_budget) PLACEMENT=(rollout.num_replicas=2 cluster.num_workers=2 train.reshard_after_forward=false
+                                  "${BUDGET[@]}") ;;
     *) echo "unknown 4-GPU run $1"; return 1 ;;
   esac
-  JOB_TIMEOUT=480 bash $RUNS job $1 10 "${QUAD[@]}" "${placement[@]}" cluster.serve_port=$PORT
+}
+quad_run() {  # quad_run NAME: one 4-GPU placement, 10 steps
+  placement_of $1 || return 1
+  JOB_TIMEOUT=480 bash $RUNS job $1 10 "${QUAD[@]}" "${PLACEMENT[@]}" cluster.serve_port=$PORT
 }
 quad() {  # issue 38: on all four GPUs, one after another, once both lanes are done
   until [ -f $RES/a.done -a -f $RES/b.done ]; do sleep 2; done
   lane 0,1,2,3 q 8003
-  for n in 2 4; do  # the LoRA's way out of 2 and 4 ranks: the one-collective gather against the per-tensor ones
+  for n in 2 4; do  # the LoRA's way out of 2 and 4 ranks: pinned against pageable host memory
     timeout 300 torchrun --standalone --nproc_per_node=$n -m jobs.bench_export --repeats 5 2>&1 | grep '^{' \
       >> $OUT/bench_export.jsonl
   done
   for run in $QUAD_RUNS; do quad_run $run; done
 }
-learn4() {  # the lease after: the learning check and the kill on the best 4-GPU placement (2 + 2 so far)
+LEARN_ON=${LEARN_ON:-q_2p2_keep_budget}  # the best 4-GPU placement measured
+learn4() {  # the lease after: the learning check and the kill on the best 4-GPU placement
   lane 0,1,2,3 q 8003
+  placement_of $LEARN_ON || return 1
   JOB_TIMEOUT=900 bash $RUNS job q_learn_lr3e-4 40 "${QUAD[@]}" "${LEARN[@]}" train.learning_rate=3e-4 \
-    rollout.num_replicas=2 cluster.num_workers=2 cluster.serve_port=$PORT
+    "${PLACEMENT[@]}" cluster.serve_port=$PORT
   JOB_TIMEOUT=900 bash $RUNS job q_learn_lr0 40 "${QUAD[@]}" "${LEARN[@]}" train.learning_rate=0 \
-    rollout.num_replicas=2 cluster.num_workers=2 cluster.serve_port=$PORT
+    "${PLACEMENT[@]}" cluster.serve_port=$PORT
   KILL_AT=3 JOB_TIMEOUT=600 bash $RUNS kill q_kill 6 "${QUAD[@]}" train.checkpoint_every=2 \
-    rollout.num_replicas=2 cluster.num_workers=2 cluster.serve_port=$PORT
+    "${PLACEMENT[@]}" cluster.serve_port=$PORT
 }
 pack() {  # logs, metrics, eval results and curves; no checkpoints, images or tensorboard
   (cd /tmp && tar czf $OUT/lanes.tgz --exclude=checkpoints --exclude=images --exclude=tensorboard \
