@@ -6,7 +6,8 @@
 # diffusers engine.
 # Once both lanes are done, `quad` runs on all four GPUs one after another (its own cluster).
 #   bash docs/perf/scale/gpu_lanes.sh start [quad|learn4] | wait 540 [a|b|q] | collect
-#   (LANES=0: no 2-GPU lanes; QUAD_RUNS="...": which 4-GPU runs, in order)
+#   (LANES=0: no 2-GPU lanes; QUAD_RUNS="...": which 4-GPU runs, in order; CHECK=1 NGPUS=4: a dry run on any
+#   machine, every job's config loaded and nothing run)
 # The lanes of a lease are this script's functions; git history has each lease's (docs/perf/scale/README.md).
 # The inductor cache of every run (gpu_runs.sh's /tmp/compile_cache) goes home in $OUT/compile_cache_scale.tgz.part*; a
 # later lease that carries it back (`carry: [".devcache"]`, the file at $SEED) starts its first steps warm.
@@ -46,8 +47,8 @@ placement_of() {  # placement_of NAME: the overrides of one 4-GPU placement, int
     q_1p3) PLACEMENT=(train.groups_per_step=3 rollout.num_replicas=1 cluster.num_workers=3) ;;
     q_shared4_mor1) PLACEMENT=(rollout.num_replicas=4 rollout.replica_num_gpus=0.6 cluster.num_workers=4
                                cluster.worker_num_gpus=0.4 rollout.max_ongoing_requests=1) ;;
-    q_eager_2p2) PLACEMENT=(rollout.num_replicas=2 cluster.num_workers=2 model.compile.enabled=false
-                            train.old_logprob=rollout) ;;
+    # eager: the config's merged replicas need the trainer's old log-probs (train.old_logprob=rollout is refused)
+    q_eager_2p2) PLACEMENT=(rollout.num_replicas=2 cluster.num_workers=2 model.compile.enabled=false) ;;
     # issue 36 point 2 in the job: 2 + 2 with each block's gathered base kept from its forward to its backward
     # (74.5 against 40 GiB a rank: H200s only), 1.05x q_2p2 on 2026-11-27
     q_2p2_keep) PLACEMENT=(rollout.num_replicas=2 cluster.num_workers=2 train.reshard_after_forward=false) ;;
@@ -65,6 +66,7 @@ quad() {  # issue 38: on all four GPUs, one after another, once both lanes are d
   until [ -f $RES/a.done -a -f $RES/b.done ]; do sleep 2; done
   lane 0,1,2,3 q 8003
   for n in 2 4; do  # the LoRA's way out of 2 and 4 ranks: pinned against pageable host memory
+    [ -n "${CHECK:-}" ] && break
     timeout 300 torchrun --standalone --nproc_per_node=$n -m jobs.bench_export --repeats 5 2>&1 | grep '^{' \
       >> $OUT/bench_export.jsonl
   done

@@ -4,6 +4,7 @@
 # per stage, back to back (a machine keeps /tmp only while calls follow each other). In the project root, the
 # device wheels installed (../shared/tools/device-wheels --no-ocr), PYTHONPATH set:
 #   bash docs/perf/scale/gpu_runs.sh build | job NAME STEPS [overrides...]
+# (CHECK=1: each job's config is loaded and nothing runs: gpu_lanes.sh's plan checked on a CPU machine)
 # Writes logs and metrics.jsonl into $OUT (the device tool's folder; ./out elsewhere). GPU figures come from the
 # diffusers engine (vllm cannot be installed beside the image's torch).
 set -uo pipefail
@@ -17,11 +18,17 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_COLOR_PREFIX=0
 
 case "$1" in
   build)  # the real-size random Qwen-Image (60 blocks, 20.4B, bf16)
+    [ -n "${CHECK:-}" ] && exit 0
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
     [ -f $MODEL/model_index.json ] || python -m jobs.make_tiny_models --preset qwen-image-full --out $MODEL 2>&1 | tail -1 ;;
   job|kill)  # job NAME STEPS [overrides]: e.g. job compiled_k1 10 train.max_staleness=1; kill: the same, and the
     # trainer's worker gets SIGKILL once step $KILL_AT is done (the run restarts from its last checkpoint)
     mode=$1; name=$2; steps=$3; shift 3
+    if [ -n "${CHECK:-}" ]; then  # CHECK=1: a dry run of a lease's plan on any machine, each job's config loaded
+      python -c 'import sys; from app.config import load; load(sys.argv[1], sys.argv[3:]); print(sys.argv[2], "config ok")' \
+        $CFG $name model.path=$MODEL "${FAST[@]}" "${JPEG[@]}" train.num_steps=$steps "$@" 2>&1 | tail -n 1
+      exit 0
+    fi
     if [ $mode = kill ]; then
       ( until grep -q "\[flowgrpo\] step ${KILL_AT:-5}/" "$OUT/$name.log" 2>/dev/null; do sleep 0.5; done
         for pid in $(pgrep -f "ray::RayTrainWorker"); do  # this run's worker: its cluster's RAY_TMPDIR (gpu_lanes.sh)
