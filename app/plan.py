@@ -53,6 +53,7 @@ class Rates:
     rollout_gib: float | None = None  # peak GPU memory of a replica
     trainer_gib: float | None = None  # peak GPU memory of a rank, at `ranks` ranks
     ranks: int = 1  # FSDP2 ranks of the measurement (the trainer's memory shrinks with more)
+    kept_gathers: bool = False  # measured with train.reshard_after_forward=false (each block's gather kept)
     shared: bool = False  # measured with both halves on the same GPUs (pipelined: their contention is in the rates)
     rank_overhead: float = 0.0  # c of t(W) = t(1)(1 + c(W - 1)/W): FSDP2's gathers (module docstring)
     source: str = ""
@@ -109,19 +110,27 @@ class Prediction:
     why_not: str = ""  # when it does not fit or cannot run
 
 
-def trainer_gib(rates: Rates, ranks: int, weights_gib: float | None) -> float | None:
-    """A rank's peak memory at `ranks` ranks: the measured peak with its shard of the frozen weights resized (the
-    rest, LoRA state and activations, does not shrink with more ranks). Unknown weights: the measured peak."""
+def trainer_gib(rates: Rates, ranks: int, weights_gib: float | None, kept_gathers: bool = False) -> float | None:
+    """A rank's peak memory at `ranks` ranks: the measured peak with the frozen weights it holds resized (the rest,
+    LoRA state and activations, does not shrink with more ranks). A rank holds its shard, and where each block keeps
+    its gather for the backward (`kept_gathers`, several ranks) every block's whole weights too by the end of the
+    forward: 40.0 GiB a rank on 2x H200 resharding, 74.5 keeping (38 GiB of weights). Unknown weights: the
+    measured peak."""
     if rates.trainer_gib is None:
         return None
     if not weights_gib:
         return rates.trainer_gib
-    return rates.trainer_gib - weights_gib / rates.ranks + weights_gib / ranks
+
+    def held(w: int, kept: bool) -> float:
+        return weights_gib / w + (weights_gib if kept and w > 1 else 0.0)
+
+    return rates.trainer_gib - held(rates.ranks, rates.kept_gathers) + held(ranks, kept_gathers)
 
 
 def predict(rates: Rates, placement: Placement, *, groups: int, group_size: int, gpu_gib: float | None = None,
-            weights_gib: float | None = None, efficiency: float = 0.9) -> Prediction:
-    """The step of `groups` groups of `group_size` images under `placement` (module docstring)."""
+            weights_gib: float | None = None, efficiency: float = 0.9, kept_gathers: bool = False) -> Prediction:
+    """The step of `groups` groups of `group_size` images under `placement` (module docstring); kept_gathers: the
+    recipe sets train.reshard_after_forward=false (memory: `trainer_gib`)."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"shared-GPU efficiency {efficiency} must be in (0, 1]")
     shared = placement.kind == "shared"
@@ -139,7 +148,7 @@ def predict(rates: Rates, placement: Placement, *, groups: int, group_size: int,
     if groups % placement.ranks:
         fits, why = False, f"{groups} groups do not divide over {placement.ranks} ranks (train.groups_per_step)"
     elif gpu_gib is not None and rates.rollout_gib is not None and rates.trainer_gib is not None:
-        rank_gib = trainer_gib(rates, placement.ranks, weights_gib)
+        rank_gib = trainer_gib(rates, placement.ranks, weights_gib, kept_gathers)
         need = rates.rollout_gib + rank_gib if shared else max(rates.rollout_gib, rank_gib)
         fits = need <= gpu_gib
         if not fits:
@@ -167,10 +176,10 @@ def placements(gpus: int, staleness: int) -> list[Placement]:
 
 
 def plan(rates: Rates, *, gpus: int, groups: int, group_size: int, staleness: int, gpu_gib: float | None = None,
-         weights_gib: float | None = None, efficiency: float = 0.9) -> list[Prediction]:
+         weights_gib: float | None = None, efficiency: float = 0.9, kept_gathers: bool = False) -> list[Prediction]:
     """Every placement of `gpus`, best first: those that can run by images per second per GPU, then the rest."""
     out = [predict(rates, p, groups=groups, group_size=group_size, gpu_gib=gpu_gib, weights_gib=weights_gib,
-                   efficiency=efficiency) for p in placements(gpus, staleness)]
+                   efficiency=efficiency, kept_gathers=kept_gathers) for p in placements(gpus, staleness)]
     return sorted(out, key=lambda p: (p.fits is False, -p.images_per_s_per_gpu))
 
 
@@ -179,7 +188,8 @@ def plan(rates: Rates, *, gpus: int, groups: int, group_size: int, staleness: in
 STEADY_FROM = 2  # the first step compiles and warms up
 
 
-def rates_from_metrics(rows: list[dict], *, replicas: int, ranks: int, shared: bool, source: str = "") -> Rates:
+def rates_from_metrics(rows: list[dict], *, replicas: int, ranks: int, shared: bool, kept_gathers: bool = False,
+                       source: str = "") -> Rates:
     """Rates from a run's `metrics.jsonl` rows (its steps after the first; medians), for the run's placement:
     `replicas` rollout replicas and `ranks` FSDP2 ranks, `shared` when both halves held the same GPUs. A replica's
     seconds are the engines' own (`perf/rollout_busy_s`; older runs: the busy share times the replicas and the
@@ -216,20 +226,23 @@ def rates_from_metrics(rows: list[dict], *, replicas: int, ranks: int, shared: b
         reward_s=med(lambda r: r.get("perf/reward_busy_s", 0.0) / images(r)),
         rollout_gib=peaks["memory/rollout_peak_gib_max"] or None,
         trainer_gib=peaks["memory/trainer_peak_gib_max"] or None,
-        ranks=ranks, shared=shared, source=source or f"{len(steady)} steps of a run")
+        ranks=ranks, shared=shared, kept_gathers=kept_gathers, source=source or f"{len(steady)} steps of a run")
 
 
 def rates_from_benches(rollout: dict, train: dict, *, trained_steps: int, source: str = "") -> Rates:
     """Rates from one JSON line of `jobs.bench_rollout` (its batched images per second) and one of
     `jobs.bench_train_step` (ms per image per trained step), for a recipe training `trained_steps` steps of each
-    image. Benches time the two sides alone, one GPU each: no publish and no reward in the rates."""
+    image. Benches time the two sides alone: no publish and no reward in the rates. The trainer bench's figures are
+    its ranks' together (`world_size`): a rank's seconds per image are its wall time per image times the ranks."""
     if "batched_images_per_s" not in rollout or "ms_per_image_step" not in train:
         raise ValueError("expected a jobs.bench_rollout line (batched_images_per_s) and a jobs.bench_train_step "
                          "line (ms_per_image_step)")
-    img_s, train_s = rollout["batched_images_per_s"], train["ms_per_image_step"] / 1000 * trained_steps
-    tflop = rollout.get("batched_tflops", 0.0) / img_s + train.get("useful_tflops", 0.0) * train_s
-    return Rates(rollout_s=1.0 / img_s, train_s=train_s, useful_tflop=tflop, trainer_gib=train.get("gpu_peak_gib"),
-                 source=source or "the benches")
+    img_s, wall_s = rollout["batched_images_per_s"], train["ms_per_image_step"] / 1000 * trained_steps
+    tflop = rollout.get("batched_tflops", 0.0) / img_s + train.get("useful_tflops", 0.0) * wall_s
+    ranks = int(train.get("world_size", 1))
+    return Rates(rollout_s=1.0 / img_s, train_s=wall_s * ranks, useful_tflop=tflop,
+                 trainer_gib=train.get("gpu_peak_gib"), ranks=ranks,
+                 kept_gathers=train.get("reshard_after_forward") is False and ranks > 1, source=source or "the benches")
 
 
 def rank_overhead(bench_lines: list[dict]) -> tuple[float, str]:

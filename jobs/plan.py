@@ -55,8 +55,9 @@ def measured_rates(args, config) -> Rates:
         replicas, ranks = run.rollout.num_replicas, run.cluster.num_workers
         shared = run.rollout.replica_num_gpus < 1 and run.cluster.worker_num_gpus < 1
         where = f"{replicas} replica(s) + {ranks} rank(s){', sharing GPUs' if shared else ''}"
+        source = f"{args.metrics} ({where}{'' if run_config.is_file() else ', as CONFIG'})"
         return rates_from_metrics(rows, replicas=replicas, ranks=ranks, shared=shared,
-                                  source=f"{args.metrics} ({where}{'' if run_config.is_file() else ', as CONFIG'})")
+                                  kept_gathers=ranks > 1 and not run.train.reshard_after_forward, source=source)
     if not (args.bench_rollout and args.bench_train):
         raise PlanError("give the measured rates: --metrics RUN/metrics.jsonl, or --bench-rollout and --bench-train")
     rollout = read_jsonl(args.bench_rollout, "--bench-rollout")[-1]
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         gib = gpu_memory_gib(args.gpu_gib)
         groups, n = config.train.groups_per_step, config.rollout.group_size
         predictions = plan(rates, gpus=args.gpus, groups=groups, group_size=n, staleness=config.train.max_staleness,
-                           gpu_gib=gib, weights_gib=weights_gib(config), efficiency=args.shared_efficiency)
+                           gpu_gib=gib, weights_gib=weights_gib(config), efficiency=args.shared_efficiency,
+                           kept_gathers=not config.train.reshard_after_forward)
     except (PlanError, ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

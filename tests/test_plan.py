@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from app.plan import Placement, Rates, plan, predict, rank_overhead, rates_from_metrics, reward_replicas
+from app.plan import (
+    Placement,
+    Rates,
+    plan,
+    predict,
+    rank_overhead,
+    rates_from_benches,
+    rates_from_metrics,
+    reward_replicas,
+    trainer_gib,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCALE = REPO / "docs" / "perf" / "scale"
@@ -80,6 +90,40 @@ def test_more_ranks_cost_what_gathering_the_weights_adds():
     assert step.step_s == pytest.approx(16 * 1.125)
     with pytest.raises(ValueError, match="must be >= 0"):
         Rates(rollout_s=0.5, train_s=1.0, rank_overhead=-0.1)
+
+
+def test_a_rank_keeping_its_gathers_holds_the_whole_base():
+    """With train.reshard_after_forward=false each block keeps its gathered weights for the backward: by the end of
+    the forward a rank holds the whole base besides its shard. From the 1-rank peak of 2026-11-27 (57.8 GiB, 38 GiB
+    of weights) it says 38.8 GiB at 2 ranks resharding and 76.8 keeping (measured 40.0 and 74.5)."""
+    one = Rates(rollout_s=0.5, train_s=1.0, trainer_gib=57.8, ranks=1)
+    assert trainer_gib(one, 2, 38.0) == pytest.approx(38.8)
+    assert trainer_gib(one, 2, 38.0, kept_gathers=True) == pytest.approx(76.8)
+    assert trainer_gib(one, 1, 38.0, kept_gathers=True) == pytest.approx(57.8)  # one rank gathers nothing
+    kept = Rates(rollout_s=0.5, train_s=1.0, trainer_gib=74.5, ranks=2, kept_gathers=True)  # measured keeping
+    assert trainer_gib(kept, 4, 38.0, kept_gathers=True) == pytest.approx(74.5 - 57.0 + 47.5)
+    assert trainer_gib(kept, 4, 38.0) == pytest.approx(74.5 - 57.0 + 9.5)
+    # the activation budget's 1-rank peak (71.1 GiB) with kept gathers on 2 ranks: 90 GiB, an H200's, not an H100's
+    budget = Rates(rollout_s=0.5, train_s=1.0, trainer_gib=71.1, rollout_gib=74.4, ranks=1)
+    on_80 = plan(budget, gpus=4, groups=4, group_size=8, staleness=1, gpu_gib=80, weights_gib=38.0, kept_gathers=True)
+    two_two = next(p for p in on_80 if p.placement == Placement("split", 2, 2, 1))
+    assert two_two.fits is False and two_two.why_not == "a rank needs 90 GiB of a 80 GiB GPU"
+    on_141 = plan(budget, gpus=4, groups=4, group_size=8, staleness=1, gpu_gib=141, weights_gib=38.0,
+                  kept_gathers=True)
+    assert next(p for p in on_141 if p.placement == Placement("split", 2, 2, 1)).fits is True
+
+
+def test_rates_from_the_benches_count_a_ranks_seconds():
+    """The trainer bench's ms per image-step is its ranks' wall time together: on 2 ranks a rank spends twice that
+    per image; its TFLOP/s are the ranks' together, so the FLOPs per image come from the wall time."""
+    rollout = {"batched_images_per_s": 2.0, "batched_tflops": 400.0}
+    two = {"bench": "train_step", "world_size": 2, "ms_per_image_step": 189.2, "useful_tflops": 497.0,
+           "gpu_peak_gib": 75.0, "reshard_after_forward": False}
+    rates = rates_from_benches(rollout, two, trained_steps=2)
+    assert rates.train_s == pytest.approx(0.1892 * 2 * 2) and rates.ranks == 2 and rates.kept_gathers is True
+    assert rates.useful_tflop == pytest.approx(400.0 / 2.0 + 497.0 * 0.1892 * 2)
+    one = rates_from_benches(rollout, {**two, "world_size": 1, "ms_per_image_step": 337.3}, trained_steps=2)
+    assert one.train_s == pytest.approx(0.3373 * 2) and one.ranks == 1 and one.kept_gathers is False
 
 
 def _bench(world, ms, **extra):
