@@ -68,23 +68,34 @@ def measured_rates(args, config) -> Rates:
 
 def with_rank_overhead(rates: Rates, paths: list[str] | None, config) -> Rates:
     """The rates with FSDP2's cost of more ranks (app/plan.py `rank_overhead`), fitted from the --bench-train-ranks
-    lines that ran the recipe's trainer: its checkpointing and activation budget, and with several ranks its
-    `train.reshard_after_forward` (a file of every variant a lease ran can be given as it is)."""
+    lines of the recipe's `train.reshard_after_forward` (several ranks; it sets how often a block is gathered), at
+    two or more world sizes. Lines of the recipe's activation memory (checkpointing, budget) are preferred; without
+    them, those of another setting serve, and the source says so (the gathers are the same; the compute they add
+    to differs). A file of every variant a lease ran can be given as it is."""
     if not paths:
         return rates
     train = config.train
-    want = {"gradient_checkpointing": train.gradient_checkpointing,
-            "activation_memory_budget": train.activation_memory_budget}
     lines = [line for path in paths for line in read_jsonl(path, "--bench-train-ranks")
              if line.get("bench") == "train_step"]
-    mine = [line for line in lines if all(line.get(k) == v for k, v in want.items())
-            and (line.get("world_size", 1) == 1 or line.get("reshard_after_forward") == train.reshard_after_forward)]
-    if len({line.get("world_size") for line in mine}) < 2:
-        raise PlanError(f"--bench-train-ranks: no two world sizes of the trainer bench with the recipe's "
-                        f"{', '.join(f'train.{k}={v}' for k, v in want.items())} and, on several ranks, "
-                        f"train.reshard_after_forward={train.reshard_after_forward} ({len(lines)} bench lines, "
-                        f"{len(mine)} of them match)")
-    c, why = rank_overhead(mine)
+    usable = [line for line in lines if line.get("world_size", 1) == 1
+              or line.get("reshard_after_forward") == train.reshard_after_forward]
+
+    def memory(line: dict) -> tuple:
+        return line.get("gradient_checkpointing"), line.get("activation_memory_budget")
+
+    groups: dict[tuple, list[dict]] = {}
+    for line in usable:
+        groups.setdefault(memory(line), []).append(line)
+    fitting = {k: g for k, g in groups.items() if len({line.get("world_size") for line in g}) >= 2}
+    if not fitting:
+        raise PlanError(f"--bench-train-ranks: no two world sizes of the trainer bench with, on several ranks, "
+                        f"train.reshard_after_forward={train.reshard_after_forward} ({len(lines)} bench lines)")
+    mine = (train.gradient_checkpointing, train.activation_memory_budget)
+    chosen = mine if mine in fitting else next(iter(fitting))
+    c, why = rank_overhead(fitting[chosen])
+    if chosen != mine:
+        why += (f" (with gradient_checkpointing={chosen[0]}, activation_memory_budget={chosen[1]}: none at the "
+                f"recipe's {mine[0]}, {mine[1]})")
     return replace(rates, rank_overhead=c, source=f"{rates.source}; FSDP2 from the trainer bench: {why}")
 
 

@@ -231,12 +231,19 @@ def test_the_predictions_match_the_four_gpu_runs(tmp_path):
                     "--json", "--metrics", str(run / "metrics.jsonl"))
     two_two = json.loads(out.stdout.splitlines()[0])
     assert two_two["images_per_s_per_gpu"] > 1.15 * measured("q_2p2")
-    # bench lines of another recipe are refused, saying which keys to match
+    # a recipe whose activation memory the bench did not run: the lines of another setting serve, said so
     other = _plan_cli(*CONFIG, "train.groups_per_step=4", "train.activation_memory_budget=0.5",
                       "train.gradient_checkpointing=false", "--gpus", "4", "--metrics", str(run / "metrics.jsonl"),
-                      "--bench-train-ranks", benches[1])
-    assert other.returncode == 2 and "no two world sizes of the trainer bench" in other.stderr
-    assert "train.activation_memory_budget=0.5" in other.stderr
+                      "--bench-train-ranks", *benches)
+    assert other.returncode == 0, other.stderr
+    assert ("2 ranks cost 1.122x 1 per image (with gradient_checkpointing=True, activation_memory_budget=None: none "
+            "at the recipe's False, 0.5)") in other.stdout
+    # one world size only (the 1-rank file), or none of the recipe's resharding on several ranks: refused
+    for given in ([benches[0]], [benches[1]]):
+        refused = _plan_cli(*CONFIG, "train.groups_per_step=4", "--gpus", "4", "--metrics",
+                            str(run / "metrics.jsonl"), "--bench-train-ranks", *given)
+        assert refused.returncode == 2 and "no two world sizes of the trainer bench" in refused.stderr
+        assert "train.reshard_after_forward=True" in refused.stderr
 
 
 def test_bad_inputs_get_one_line(tmp_path):
