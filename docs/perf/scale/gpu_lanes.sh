@@ -12,13 +12,12 @@
 # The inductor cache of every run (gpu_runs.sh's /tmp/compile_cache) goes home in $OUT/compile_cache_scale.tgz.part*; a
 # later lease that carries it back (`carry: [".devcache"]`, the file at $SEED) starts its first steps warm.
 set -uo pipefail
-RES=/tmp/lanes; RUNS=${RUNS:-docs/perf/scale/gpu_runs.sh}  # RUNS=stub: a dry run of the plan
+RES=/tmp/lanes; RUNS=${RUNS:-docs/perf/scale/gpu_runs.sh}  # CHECK=1: a dry run of the plan (gpu_runs.sh)
 SEED=${SEED_CACHE:-.devcache/compile_cache_scale.tgz}
 source "${BASH_SOURCE%/*}/../cores.sh"
 # the learning check (issue 34 point 4): 40 steps, the eval set's JPEG reward every 10 (16 held-out prompts,
 # deterministic), before the first step too
 LEARN=(train.max_staleness=1 eval.every=10 eval.before_train=true eval.prompts=ocr_eval eval.max_prompts=16)
-SHARED=(rollout.num_replicas=2 rollout.replica_num_gpus=0.6 cluster.num_workers=2 cluster.worker_num_gpus=0.4)
 
 lane() {  # lane GPUS NAME PORT: the environment of one lane, on its GPUs' share of the host's cores (the lanes'
   # compilations and rewards then leave each other's CPUs alone; docs/perf/cores.sh)
