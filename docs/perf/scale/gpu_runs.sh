@@ -40,6 +40,7 @@ case "$1" in
       "${FAST[@]}" "${JPEG[@]}" train.num_steps=$steps logging.dir=/tmp/runs/$name "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $?"
     cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
+    cp /tmp/runs/$name/eval/metrics.jsonl "$OUT/${name}_eval.jsonl" 2>/dev/null  # runs that evaluate
     python - "$OUT/${name}_metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])] if sys.argv[1] else []
