@@ -37,7 +37,9 @@ import math
 import statistics
 from dataclasses import dataclass
 
-PEAK_TFLOPS = 989.0  # dense bf16 per H100/H200, the MFU denominator of app/metrics.py
+from app.flops import PEAK_BF16_FLOPS
+
+PEAK_TFLOPS = PEAK_BF16_FLOPS / 1e12  # the MFU denominator of app/metrics.py
 
 
 @dataclass(frozen=True)

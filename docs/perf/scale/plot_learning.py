@@ -23,14 +23,15 @@ def main(folder: str, prefix: str = "", title: str = "2x H200 split 1 + 1") -> N
     d = Path(folder)
     runs = {"lr 3e-4": f"{prefix}learn_lr3e-4", "lr 0": f"{prefix}learn_lr0"}
     fig, (train, paired, evals) = plt.subplots(1, 3, figsize=(15, 4.2))
-    steps = {}
+    steps, images = {}, 0.0
     for label, name in runs.items():
-        s, r = rows(d / f"{name}_metrics.jsonl", "reward/mean")
+        metrics = [json.loads(line) for line in (d / f"{name}_metrics.jsonl").read_text().splitlines() if line.strip()]
+        s, r = [m["step"] for m in metrics], [m["reward/mean"] for m in metrics]
+        images = metrics[-1]["rollout/images"]
         steps[label] = dict(zip(s, r, strict=True))
         train.plot(s, r, marker=".", label=label)
         e, er = rows(d / f"{name}_eval.jsonl", "eval/reward/mean")
         evals.plot(e, er, marker="o", label=label)
-    images = rows(d / f"{runs['lr 0']}_metrics.jsonl", "rollout/images")[1][-1]
     both = sorted(set(steps["lr 3e-4"]) & set(steps["lr 0"]))
     paired.bar(both, [steps["lr 3e-4"][s] - steps["lr 0"][s] for s in both], color="tab:green")
     paired.axhline(0, color="black", lw=0.8)

@@ -9,7 +9,6 @@ import json
 import statistics
 from pathlib import Path
 
-PEAK_TFLOPS = 989.0  # dense bf16 per H100/H200, as app/flops.py
 
 
 def summary(path: Path) -> dict:
@@ -24,7 +23,8 @@ def summary(path: Path) -> dict:
     return {"run": path.name.removesuffix("_metrics.jsonl"), "gpus": round(gpus, 2), "steps": len(rows),
             "s_per_step": seconds / len(steady),
             "img_s_gpu": sum(r["rollout/images"] for r in steady) / seconds / gpus,
-            "mfu": sum(r["perf/useful_tflop"] for r in steady) / seconds / gpus / PEAK_TFLOPS,
+            # each step's MFU weighted by its seconds: the steps' useful FLOPs over their seconds and GPUs
+            "mfu": sum(r["perf/mfu"] * r["timing/step_s"] for r in steady) / seconds,
             "busy": (mean("perf/rollout_busy_share"), mean("perf/trainer_busy_share")),
             "train_s": mean("timing/train_s"), "publish_s": mean("timing/publish_s"),
             "publication_s": mean("timing/publication_s_max"),
