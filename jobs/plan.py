@@ -128,6 +128,16 @@ def weights_gib(config) -> float | None:
     return sum(f.stat().st_size for f in files) / 2**30 if files else None
 
 
+# What one GPU shared by a replica and a rank gets done of both halves' work alone, measured with the fast recipe:
+# eager, one H200 (the two processes fill each other's launch gaps); compiled, 4x H200 with merged replicas
+# (`q_shared4_mor1`, docs/perf/scale/lease5_4xh200/: compiled kernels leave few gaps to fill)
+SHARED_EFFICIENCY = {"eager": 0.9, "compiled": 0.63}
+
+
+def shared_efficiency(config) -> float:
+    return SHARED_EFFICIENCY["compiled" if config.model.compile.enabled else "eager"]
+
+
 def table(predictions: list[Prediction]) -> str:
     lines = [f"  {'placement':<40} {'s/step':>7} {'img/s/GPU':>10} {'MFU':>6}  busy rollout/trainer  memory"]
     for k, p in enumerate(predictions):
@@ -149,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="jobs.bench_train_step lines of the recipe at two or more world sizes (torchrun "
                              "--nproc_per_node=N): what more FSDP2 ranks cost per image (default: nothing)")
     parser.add_argument("--gpu-gib", type=float, help="memory of one GPU (default: this machine's first GPU)")
-    parser.add_argument("--shared-efficiency", type=float, default=0.9,
+    parser.add_argument("--shared-efficiency", type=float, default=None,
                         help="the share of both halves' work alone that one shared GPU gets done while both run "
-                             "(default 0.9: one H200, the fast recipe, eager)")
+                             f"(default: {SHARED_EFFICIENCY['eager']} eager, one H200, the fast recipe; "
+                             f"{SHARED_EFFICIENCY['compiled']} compiled, 4x H200, merged replicas)")
     parser.add_argument("--json", action="store_true", help="one JSON line per placement instead of the table")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of CONFIG")
     args = parser.parse_intermixed_args(argv)
@@ -161,9 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load(args.config, args.overrides)
         rates = with_rank_overhead(measured_rates(args, config), args.bench_train_ranks, config)
         gib = gpu_memory_gib(args.gpu_gib)
+        efficiency = args.shared_efficiency or shared_efficiency(config)
         groups, n = config.train.groups_per_step, config.rollout.group_size
         predictions = plan(rates, gpus=args.gpus, groups=groups, group_size=n, staleness=config.train.max_staleness,
-                           gpu_gib=gib, weights_gib=weights_gib(config), efficiency=args.shared_efficiency,
+                           gpu_gib=gib, weights_gib=weights_gib(config), efficiency=efficiency,
                            kept_gathers=not config.train.reshard_after_forward)
     except (PlanError, ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -182,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rates from {rates.source}: rollout {rates.rollout_s:.3f} s/image per replica, train {rates.train_s:.3f} "
           f"s/image per rank{f' at {rates.ranks}' if rates.rank_overhead else ''}, overhead {rates.overhead_s:.2f} "
           f"s/step{f', FSDP2 term c = {rates.rank_overhead:.3f}' if rates.rank_overhead else ''}")
+    print(f"a shared GPU gets {efficiency:.2f} of both halves' work alone done (--shared-efficiency; "
+          f"{'compiled' if config.model.compile.enabled else 'eager'} default {shared_efficiency(config)})")
     print(table(predictions))
     best = predictions[0]
     if best.fits is False:

@@ -246,6 +246,50 @@ def test_the_predictions_match_the_four_gpu_runs(tmp_path):
         assert "train.reshard_after_forward=True" in refused.stderr
 
 
+def test_the_predictions_match_the_second_four_gpu_lease(tmp_path):
+    """Fed the 2-GPU runs of the second 4x H200 lease (`lease5_4xh200/`), the planner predicts each 4-GPU run of
+    that lease within 15 %: the best, 2 + 2 keeping its gathers with the activation budget (from `split_k1_budget`),
+    which it chooses; 1 + 3 on 3 groups and the shared placement on the compiled default efficiency (from
+    `split_k1`). On the eager default (0.9) the shared placement was predicted 41 % over what it did."""
+    lease = SCALE / "lease5_4xh200"
+    benches = [str(KERNELS / "bench_train_step_h200.jsonl"), str(KERNELS / "bench_train_step_2rank_h200.jsonl")]
+
+    def run_folder(name):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text((lease / f"{name}_metrics.jsonl").read_text())
+        (run / "config.yaml").write_text((lease / f"{name}_config.yaml").read_text())
+        return str(run / "metrics.jsonl")
+
+    def measured(name):  # img/s/GPU over the steps after the first
+        rows = [json.loads(line) for line in (lease / f"{name}_metrics.jsonl").read_text().splitlines()][1:]
+        return sum(r["rollout/images"] for r in rows) / sum(r["timing/step_s"] for r in rows) / 4
+
+    def predictions(metrics, *overrides):
+        out = _plan_cli(*CONFIG, "train.max_staleness=1", *overrides, "--gpus", "4", "--gpu-gib", "141", "--json",
+                        "--metrics", metrics, "--bench-train-ranks", *benches)
+        assert out.returncode == 0, out.stderr
+        return {p["placement"]: p for p in map(json.loads, out.stdout.splitlines())}, out
+
+    budget = ["train.gradient_checkpointing=false", "train.activation_memory_budget=0.25"]
+    best, out = predictions(run_folder("split_k1_budget"), "train.groups_per_step=4",
+                            "train.reshard_after_forward=false", *budget)
+    assert json.loads(out.stdout.splitlines()[0])["placement"] == "split: 2 replicas + 2 ranks"
+    assert math.isclose(best["split: 2 replicas + 2 ranks"]["images_per_s_per_gpu"], measured("q_2p2_keep_budget"),
+                        rel_tol=0.15)
+    split = run_folder("split_k1")
+    three, _ = predictions(split, "train.groups_per_step=3")
+    assert math.isclose(three["split: 1 replica + 3 ranks"]["images_per_s_per_gpu"], measured("q_1p3"), rel_tol=0.15)
+    four, _ = predictions(split, "train.groups_per_step=4")
+    shared = "shared: 4 GPUs, each 1 replica + 1 rank"
+    assert math.isclose(four[shared]["images_per_s_per_gpu"], measured("q_shared4_mor1"), rel_tol=0.15)
+    eager_default = _plan_cli(*CONFIG, "train.max_staleness=1", "train.groups_per_step=4", "--gpus", "4",
+                              "--gpu-gib", "141", "--json", "--metrics", split, "--bench-train-ranks", *benches,
+                              "--shared-efficiency", "0.9")
+    at_eager = {p["placement"]: p for p in map(json.loads, eager_default.stdout.splitlines())}[shared]
+    assert at_eager["images_per_s_per_gpu"] > 1.3 * measured("q_shared4_mor1")
+
+
 def test_bad_inputs_get_one_line(tmp_path):
     assert _plan_cli("--help").returncode == 0
     missing = _plan_cli(*CONFIG, "--gpus", "2", "--metrics", str(tmp_path / "nope.jsonl"))
