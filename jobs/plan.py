@@ -129,9 +129,11 @@ def weights_gib(config) -> float | None:
 
 
 # What one GPU shared by a replica and a rank gets done of both halves' work alone, measured with the fast recipe:
-# eager, one H200 (the two processes fill each other's launch gaps); compiled, 4x H200 with merged replicas
-# (`q_shared4_mor1`, docs/perf/scale/lease5_4xh200/: compiled kernels leave few gaps to fill)
-SHARED_EFFICIENCY = {"eager": 0.9, "compiled": 0.63}
+# eager on one H200; compiled on 4x H200 with merged replicas (`q_shared4_mor1`, docs/perf/scale/lease5_4xh200/:
+# its median step; the train phase took about twice its time alone). Not modelled: that run's first publication,
+# 45 s once, while each replica copied its base weights to pinned host memory (`rollout.merged_base_on: auto` on a
+# GPU a rank shares)
+SHARED_EFFICIENCY = {"eager": 0.9, "compiled": 0.8}
 
 
 def shared_efficiency(config) -> float:
