@@ -71,16 +71,18 @@ quad() {  # issue 38: on all four GPUs, one after another, once both lanes are d
   done
   for run in $QUAD_RUNS; do quad_run $run; done
 }
-LEARN_ON=${LEARN_ON:-q_2p2_keep_budget}  # the best 4-GPU placement measured
-learn4() {  # the lease after: the learning check and the kill on the best 4-GPU placement
+LEARN_ON=${LEARN_ON:-q_2p2_keep_budget}  # the best 4-GPU placement measured (lease5_4xh200/)
+AFTER_LEARN=${AFTER_LEARN:-q_eager_2p2 q_3p1}  # the 4-GPU runs left, while the lease lasts
+learn4() {  # the learning check and the kill on the best 4-GPU placement: the trained run's trainer worker is
+  # SIGKILLed after step 22 and restarts from the checkpoint of step 20 (issue 38 points 3 and 4 in one run); then
+  # the same run at lr 0 (same seeds), then the placements a lease before did not reach
   lane 0,1,2,3 q 8003
   placement_of $LEARN_ON || return 1
-  JOB_TIMEOUT=900 bash $RUNS job q_learn_lr3e-4 40 "${QUAD[@]}" "${LEARN[@]}" train.learning_rate=3e-4 \
-    "${PLACEMENT[@]}" cluster.serve_port=$PORT
+  KILL_AT=22 JOB_TIMEOUT=1080 bash $RUNS kill q_learn_lr3e-4 40 "${QUAD[@]}" "${LEARN[@]}" train.learning_rate=3e-4 \
+    train.checkpoint_every=5 "${PLACEMENT[@]}" cluster.serve_port=$PORT
   JOB_TIMEOUT=900 bash $RUNS job q_learn_lr0 40 "${QUAD[@]}" "${LEARN[@]}" train.learning_rate=0 \
     "${PLACEMENT[@]}" cluster.serve_port=$PORT
-  KILL_AT=3 JOB_TIMEOUT=600 bash $RUNS kill q_kill 6 "${QUAD[@]}" train.checkpoint_every=2 \
-    "${PLACEMENT[@]}" cluster.serve_port=$PORT
+  for run in $AFTER_LEARN; do quad_run $run; done
 }
 pack() {  # logs, metrics, eval results and curves; no checkpoints, images or tensorboard
   (cd /tmp && tar czf $OUT/lanes.tgz --exclude=checkpoints --exclude=images --exclude=tensorboard \

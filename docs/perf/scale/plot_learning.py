@@ -26,10 +26,15 @@ def main(folder: str, prefix: str = "", title: str = "2x H200 split 1 + 1") -> N
     steps, images = {}, 0.0
     for label, name in runs.items():
         metrics = [json.loads(line) for line in (d / f"{name}_metrics.jsonl").read_text().splitlines() if line.strip()]
-        s, r = [m["step"] for m in metrics], [m["reward/mean"] for m in metrics]
         images = metrics[-1]["rollout/images"]
-        steps[label] = dict(zip(s, r, strict=True))
-        train.plot(s, r, marker=".", label=label)
+        # a run whose trainer was killed logs the steps after its checkpoint twice: the rows after the restart count
+        by_step = {m["step"]: m["reward/mean"] for m in metrics}
+        redone = sorted({m["step"] for m in metrics if [n["step"] for n in metrics].count(m["step"]) > 1})
+        steps[label] = by_step
+        train.plot(list(by_step), list(by_step.values()), marker=".", label=label)
+        if redone:
+            train.axvspan(redone[0] - 0.5, redone[-1] + 0.5, color="tab:red", alpha=0.15,
+                          label=f"{label}: trainer killed, steps {redone[0]}-{redone[-1]} redone from its checkpoint")
         e, er = rows(d / f"{name}_eval.jsonl", "eval/reward/mean")
         evals.plot(e, er, marker="o", label=label)
     both = sorted(set(steps["lr 3e-4"]) & set(steps["lr 0"]))
@@ -40,7 +45,7 @@ def main(folder: str, prefix: str = "", title: str = "2x H200 split 1 + 1") -> N
     paired.set(title="trained − lr 0, step by step (same prompts and noise)", xlabel="step", ylabel="reward difference")
     evals.set(title="eval set (16 held-out prompts, fixed noise)", xlabel="step", ylabel="mean reward")
     for ax in (train, evals):
-        ax.legend()
+        ax.legend(fontsize="small")
     fig.suptitle(f"Real-size Qwen-Image (random weights), {title}, compiled k = 1, diffusers engine")
     fig.tight_layout()
     out = d / f"{prefix}learning_check.png"
