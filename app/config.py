@@ -358,6 +358,8 @@ class TrainConfig:
     seed: int = 0
     # save a checkpoint (adapter, optimizer, step, RNG, data position) every this many steps (0: only at the end)
     checkpoint_every: int = 50
+    # keep only the latest this many checkpoints (null: every one); each holds the LoRA and its optimizer state
+    checkpoints_to_keep: int | None = None
     # a training worker that dies (node lost, OOM) restarts the worker group from the latest checkpoint this many
     # times per run (Ray Train FailureConfig); 0 lets the first failure end the run
     max_failures: int = 2
@@ -655,6 +657,8 @@ def _check_run(config: RunConfig) -> None:
              "model.compile.enabled and train.gradient_checkpointing off (it replaces the whole-block recompute)")
     _require(train.num_steps >= 0, f"train.num_steps={train.num_steps} must be >= 0")
     _require(train.checkpoint_every >= 0, f"train.checkpoint_every={train.checkpoint_every} must be >= 0")
+    _require(train.checkpoints_to_keep is None or train.checkpoints_to_keep >= 1,
+             f"train.checkpoints_to_keep={train.checkpoints_to_keep} must be >= 1, or null to keep every checkpoint")
     _require(train.learning_rate >= 0, f"train.learning_rate={train.learning_rate} must be >= 0")
     _require(rollout.noise_level > 0 or train.num_steps == 0,
              "rollout.noise_level=0 samples the deterministic ODE: there is nothing to train; set it > 0")

@@ -226,7 +226,7 @@ def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters):
         torch_config=TorchConfig(backend="nccl" if cl.use_gpu else "gloo"),
         # a dead worker restarts the whole worker group from the latest checkpoint (`train.max_failures` times)
         run_config=ray.train.RunConfig(name=CHECKPOINTS, storage_path=str(run_dir),
-                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
+                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.train.checkpoints_to_keep),
                                        failure_config=ray.train.FailureConfig(max_failures=config.train.max_failures),
                                        logging_config=ray.train.LoggingConfig(log_level=log_level(config.logging.verbose))),
     )

@@ -67,6 +67,7 @@ def test_gpu_config_needs_its_paths():
     ("rollout.sde_window.size=9", "rollout.sde_window.size=9 must be in \\[0, rollout.num_inference_steps"),
     ("rollout.sde_window.placement=cyclic", "rollout.sde_window.placement"),
     ("rollout.sde_window.range=[3,9]", "rollout.sde_window.range=\\[3, 9\\] must be \\[lo, hi\\]"),
+    ("train.checkpoints_to_keep=0", "train.checkpoints_to_keep=0 must be >= 1, or null"),
 ])
 def test_cross_field_checks_say_what_to_change(override, match):
     overrides = [override, "cluster.num_workers=2"] if "divisible" in match else [override]

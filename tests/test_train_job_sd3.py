@@ -22,7 +22,7 @@ import pytest
 from job_runs import TWO_NODES, eval_lines, history, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
-STEPS = 8  # two checkpoints (every 4 steps), evaluations before the first step and after the last
+STEPS = 8  # two checkpoints (every 4 steps; the latest kept), evaluations before the first step and after the last
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,8 @@ def sd3_run(tmp_path_factory, job_cluster):
     # one replica of each (the Qwen-Image jobs exercise two): half the start-up CPU on 2 cores
     done = run_job(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "rollout.num_replicas=1",
                    "reward.num_replicas=1", "train.max_staleness=1", "rollout.sde_window.size=2",
-                   "rollout.sde_window.range=[0,3]", *TWO_NODES, config="configs/tiny_sd3_cpu.yaml",
+                   "rollout.sde_window.range=[0,3]", "train.checkpoints_to_keep=1", *TWO_NODES,
+                   config="configs/tiny_sd3_cpu.yaml",
                    cluster=job_cluster)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "training of sd3" in done.stdout
@@ -56,6 +57,9 @@ def test_tiny_sd3_pipelined_run_trains_on_groups_at_most_one_version_old(sd3_run
         assert r["rollout/adapter_version"] == step and math.isfinite(r["actor/loss"]) and r["perf/useful_tflop"] > 0
         assert 0 <= r["perf/rollout_busy_share"] <= 1
     assert any(r["actor/grad_norm"] > 0 for r in records)
+    # train.checkpoints_to_keep=1: step 4's checkpoint gave way to step 8's
+    kept = sorted(p.name for p in (sd3_run / "checkpoints").glob("checkpoint_step_*"))
+    assert kept == [f"checkpoint_step_{STEPS:06d}"]
     state = json.loads((sd3_run / "checkpoints" / f"checkpoint_step_{STEPS:06d}" / "trainer_state.json").read_text())
     assert state["adapter_version"] == STEPS
 
