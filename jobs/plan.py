@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load(args.config, args.overrides)
         rates = with_rank_overhead(measured_rates(args, config), args.bench_train_ranks, config)
         gib = gpu_memory_gib(args.gpu_gib)
-        efficiency = args.shared_efficiency or shared_efficiency(config)
+        efficiency = shared_efficiency(config) if args.shared_efficiency is None else args.shared_efficiency
         groups, n = config.train.groups_per_step, config.rollout.group_size
         predictions = plan(rates, gpus=args.gpus, groups=groups, group_size=n, staleness=config.train.max_staleness,
                            gpu_gib=gib, weights_gib=weights_gib(config), efficiency=efficiency,
