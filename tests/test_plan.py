@@ -200,20 +200,34 @@ def test_the_predictions_match_the_two_gpu_runs():
         assert lines[0] is split and lines[-1]["fits"] is False
 
 
+TRAIN_BENCHES = [str(KERNELS / "bench_train_step_h200.jsonl"), str(KERNELS / "bench_train_step_2rank_h200.jsonl")]
+
+
+def _run_folder(lease: Path, name: str, tmp_path: Path) -> str:
+    """A lease's run as a run folder (metrics.jsonl with its config.yaml beside it): the path of its metrics."""
+    run = tmp_path / name
+    run.mkdir()
+    (run / "metrics.jsonl").write_text((lease / f"{name}_metrics.jsonl").read_text())
+    (run / "config.yaml").write_text((lease / f"{name}_config.yaml").read_text())
+    return str(run / "metrics.jsonl")
+
+
+def _measured(lease: Path, name: str) -> float:
+    """A 4-GPU run's img/s/GPU over the steps after the first."""
+    rows = [json.loads(line) for line in (lease / f"{name}_metrics.jsonl").read_text().splitlines()][1:]
+    return sum(r["rollout/images"] for r in rows) / sum(r["timing/step_s"] for r in rows) / 4
+
+
 def test_the_predictions_match_the_four_gpu_runs(tmp_path):
     """Fed the 2-GPU split run of the 4x H200 lease and the trainer bench at 1 and 2 ranks (2x H200), the planner
     predicts each 4-GPU placement run in that lease within 15 % and chooses 2 + 2, the best measured
     (docs/perf/scale/README.md, `lease4_4xh200/`)."""
     lease = SCALE / "lease4_4xh200"
-    run = tmp_path / "split_k1"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text((lease / "split_k1_metrics.jsonl").read_text())
-    (run / "config.yaml").write_text((lease / "split_k1_config.yaml").read_text())
-    benches = [str(KERNELS / "bench_train_step_h200.jsonl"), str(KERNELS / "bench_train_step_2rank_h200.jsonl")]
+    run = Path(_run_folder(lease, "split_k1", tmp_path)).parent
+    benches = TRAIN_BENCHES
 
-    def measured(name):  # img/s/GPU over the steps after the first
-        rows = [json.loads(line) for line in (lease / f"{name}_metrics.jsonl").read_text().splitlines()][1:]
-        return sum(r["rollout/images"] for r in rows) / sum(r["timing/step_s"] for r in rows) / 4
+    def measured(name):
+        return _measured(lease, name)
 
     for reshard, runs in [("true", {"split: 2 replicas + 2 ranks": "q_2p2", "split: 3 replicas + 1 rank": "q_3p1"}),
                           ("false", {"split: 2 replicas + 2 ranks": "q_2p2_keep"})]:
@@ -253,18 +267,13 @@ def test_the_predictions_match_the_second_four_gpu_lease(tmp_path):
     (from `split_k1`; its mean holds a one-time 45 s publication the planner does not model). On the eager default
     (0.9) the shared placement was predicted 1.08x its median."""
     lease = SCALE / "lease5_4xh200"
-    benches = [str(KERNELS / "bench_train_step_h200.jsonl"), str(KERNELS / "bench_train_step_2rank_h200.jsonl")]
+    benches = TRAIN_BENCHES
 
     def run_folder(name):
-        run = tmp_path / name
-        run.mkdir()
-        (run / "metrics.jsonl").write_text((lease / f"{name}_metrics.jsonl").read_text())
-        (run / "config.yaml").write_text((lease / f"{name}_config.yaml").read_text())
-        return str(run / "metrics.jsonl")
+        return _run_folder(lease, name, tmp_path)
 
-    def measured(name):  # img/s/GPU over the steps after the first
-        rows = [json.loads(line) for line in (lease / f"{name}_metrics.jsonl").read_text().splitlines()][1:]
-        return sum(r["rollout/images"] for r in rows) / sum(r["timing/step_s"] for r in rows) / 4
+    def measured(name):
+        return _measured(lease, name)
 
     def median_step(name):  # img/s/GPU at the median step after the first
         rows = [json.loads(line) for line in (lease / f"{name}_metrics.jsonl").read_text().splitlines()][1:]

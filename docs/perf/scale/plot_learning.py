@@ -6,6 +6,7 @@ same run at lr 0 (same seeds, so the same prompts and noise at every step), per 
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 
 import matplotlib
@@ -29,7 +30,7 @@ def main(folder: str, prefix: str = "", title: str = "2x H200 split 1 + 1") -> N
         images = metrics[-1]["rollout/images"]
         # a run whose trainer was killed logs the steps after its checkpoint twice: the rows after the restart count
         by_step = {m["step"]: m["reward/mean"] for m in metrics}
-        redone = sorted({m["step"] for m in metrics if [n["step"] for n in metrics].count(m["step"]) > 1})
+        redone = sorted(step for step, rows in Counter(m["step"] for m in metrics).items() if rows > 1)
         steps[label] = by_step
         train.plot(list(by_step), list(by_step.values()), marker=".", label=label)
         if redone:
