@@ -523,6 +523,11 @@ def _check_app(config: AppConfig | RunConfig) -> None:
         k in SDPA_KERNELS for k in model.attention_kernels)),
              f"model.attention_kernels={model.attention_kernels}: name one or more of {list(SDPA_KERNELS)} (or null: "
              "torch's choice)")
+    # the VAE's attention (a head of 384 in Qwen-Image's) fits no fast kernel: without math torch fails the decode
+    # ("Invalid backend") after a whole denoise; with it, each allowed kernel still takes every input it can
+    _require(model.attention_kernels is None or "math" in model.attention_kernels,
+             f"model.attention_kernels={model.attention_kernels}: add math, the fallback for the attention the others "
+             "cannot take (the VAE's), e.g. [flash, math]")
     engines = get_family(model.family).engines
     mode = str(model.compile.mode)
     if mode in CUDA_GRAPH_MODES:

@@ -217,6 +217,8 @@ def test_a_run_deploys_its_own_sections():
     ({"serve": {"max_steps": 2}}, "raise serve.max_steps"),
     ({"reward": {"max_batch_size": 0}}, "reward.max_batch_size=0"),
     ({"serve": {"log_level": "LOUD"}}, "serve.log_level"),
+    ({"model": {"attention_kernels": ["flash"]}}, r"add math, the fallback .* e.g. \[flash, math\]"),
+    ({"model": {"attention_kernels": ["fa3", "math"]}}, "name one or more of"),
 ])
 def test_bad_app_args_name_the_key(change, match):
     args = serve_config_args()

@@ -42,7 +42,8 @@ case "$1" in
     done ;;
   attention)  # attention KERNEL: the attention kernel forced (model.attention_kernels; default: torch's choice),
     # the trainer bench then the rollout bench; one kernel per call
-    extra=(); [ $2 != default ] && extra=("model.attention_kernels=[$2]")
+    # (math beside it: the fallback for the VAE's attention, which no fast kernel takes)
+    extra=(); [ $2 != default ] && extra=("model.attention_kernels=[$2,math]")
     timeout ${BENCH_TIMEOUT:-330} python -m jobs.bench_train_step --config $CFG --groups 2 --repeats 2 \
       model.path=$MODEL model.compile.cache_dir=$CACHE "${extra[@]}" 2>"$OUT/attention_train_$2.err" \
       | tail -1 | sed "s/^{/{\"variant\": \"$2\", /" | tee -a "$OUT/bench_attention.jsonl"
