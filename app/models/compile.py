@@ -31,16 +31,41 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+# inductor's own cache folder as this process began (TORCHINDUCTOR_CACHE_DIR or torch's default): the base when a
+# run names none; once set, torch keeps its choice in the environment
+_DEFAULT_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def cache_dir_for(cache_dir: str | os.PathLike | None, kernels: Iterable[str]) -> Path:
+    """The folder whose caches a process allowing only attention `kernels` uses: `cache_dir` (None: inductor's
+    default) when it allows every kernel, else its subfolder `attention-<kernels>`. The caches' keys do not say
+    which attention kernels were allowed: torch picks one while it traces, and a cached graph keeps that one (on a
+    GPU, a process allowing every kernel loaded the graphs of one allowing only flash, and ran FA2 instead of
+    cuDNN's kernel, about 45 % more attention time)."""
+    from app.models.attention import SDPA_KERNELS
+
+    if cache_dir is None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        cache_dir = _DEFAULT_CACHE_DIR or default_cache_dir()
+    root = Path(cache_dir).expanduser().resolve()
+    kernels = list(kernels)
+    return root if kernels == list(SDPA_KERNELS) else root / f"attention-{'-'.join(kernels)}"
+
 
 def use_cache_dir(cache_dir: str | os.PathLike | None) -> None:
     """Point this process's inductor (and Triton) caches at `cache_dir` (None: torch's default) and turn on the
     persistent FX-graph and autograd caches. Every process of a run calls it with the run's `model.compile`
-    section (trainer workers, rollout replicas), before its first compilation."""
-    env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    section (trainer workers, rollout replicas), before its first compilation and after it chose its attention
+    kernels (`cache_dir_for`: a process allowing only some has a subfolder of its own)."""
+    from app.models.attention import sdpa_kernels
+
+    root = cache_dir_for(cache_dir, sdpa_kernels())
+    root.mkdir(parents=True, exist_ok=True)
+    env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(root)}
     if cache_dir is not None:
-        root = Path(cache_dir).expanduser().resolve()
-        root.mkdir(parents=True, exist_ok=True)
-        env.update({"TORCHINDUCTOR_CACHE_DIR": str(root), "TRITON_CACHE_DIR": str(root / "triton")})
+        env["TRITON_CACHE_DIR"] = str(root / "triton")
     os.environ.update(env)
 
 

@@ -2,6 +2,8 @@
 process that runs the denoiser; an engine and a policy given a choice sample and score as with torch's (fp32, to
 the kernels' rounding)."""
 
+import os
+
 import pytest
 import torch
 
@@ -67,3 +69,27 @@ def test_a_policy_given_kernels_scores_what_torchs_choice_scores(diffusers_engin
     assert sdpa_kernels() == ["math"]
     torch.testing.assert_close(scores[1], scores[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(scores[0], traj.log_probs, rtol=1e-4, atol=1e-4)  # the engine's own
+
+
+def test_a_process_allowing_only_some_kernels_caches_its_graphs_apart(tmp_path, monkeypatch):
+    """A cached graph keeps the attention kernel picked when it was traced, and the caches' keys do not say which
+    were allowed: a process allowing only some must not share a folder with one allowing every kernel."""
+    from app.models import compile as compile_mod
+
+    for name in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_CACHE_DIR",
+                 "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    compile_mod.use_cache_dir(tmp_path)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+    use_sdpa_kernels(["flash", "math"])
+    for _ in range(2):  # the same folder each time, not a subfolder of a subfolder
+        compile_mod.use_cache_dir(tmp_path)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "attention-flash-math")
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "attention-flash-math" / "triton")
+    compile_mod.use_cache_dir(None)  # inductor's own folder, apart too
+    default = compile_mod.cache_dir_for(None, SDPA_KERNELS)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(default / "attention-flash-math")
+    use_sdpa_kernels(SDPA_KERNELS)
+    compile_mod.use_cache_dir(None)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(default)
+    assert compile_mod.cache_dir_for(tmp_path, ["math"]) == tmp_path / "attention-math"
