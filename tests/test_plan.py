@@ -2,11 +2,14 @@
 choice it makes, what cannot run, rates read from a run's metrics, FSDP2's cost of more ranks, and its predictions
 against the 2- and 4-GPU runs of docs/perf/scale/ (within 15 %)."""
 
+import contextlib
+import io
 import json
 import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -175,12 +178,22 @@ def test_rates_from_a_runs_metrics_skip_the_first_step():
 
 
 def _plan_cli(*args):
-    return subprocess.run([sys.executable, "-m", "jobs.plan", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    """`python -m jobs.plan ARGS` run in this process (its main, argparse's exits included): the exit code and what
+    it printed, as a subprocess would give them, without a Python start per call (test_docs runs its --help)."""
+    from jobs.plan import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
-CONFIG = ["--config", "configs/qwen_image_ocr_2gpu.yaml", "model.path=/nonexistent", "rollout.sde_window.size=2",
-          "rollout.sde_window.range=[0,5]", "train.timestep_fraction=1", "train.groups_per_step=2"]
+CONFIG = ["--config", str(REPO / "configs" / "qwen_image_ocr_2gpu.yaml"), "model.path=/nonexistent",
+          "rollout.sde_window.size=2", "rollout.sde_window.range=[0,5]", "train.timestep_fraction=1",
+          "train.groups_per_step=2"]
 
 
 def test_the_predictions_match_the_two_gpu_runs():
@@ -323,12 +336,10 @@ def test_a_run_folder_says_its_own_placement(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(_row(s)) for s in (1, 2, 3)))
-    made = subprocess.run([sys.executable, "-c", f"""
-from app.config import load, to_yaml
-config = load("configs/qwen_image_ocr_2gpu.yaml", ["model.path=/nonexistent", "cluster.num_workers=2"])
-open({str(run / "config.yaml")!r}, "w").write(to_yaml(config))
-"""], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr
+    from app.config import load, to_yaml
+
+    config = load(REPO / "configs" / "qwen_image_ocr_2gpu.yaml", ["model.path=/nonexistent", "cluster.num_workers=2"])
+    (run / "config.yaml").write_text(to_yaml(config))
     out = _plan_cli(*CONFIG, "--gpus", "3", "--gpu-gib", "80", "--metrics", str(run / "metrics.jsonl"))
     assert out.returncode == 0, out.stderr
     assert "(1 replica(s) + 2 rank(s))" in out.stdout  # train_s = 10 s x 2 ranks / 16 images = 1.25 s/image
