@@ -3,6 +3,7 @@ backward rather than recomputed. Torch tags attention's kernels random; recomput
 saved and replayed, which on a GPU made inductor bypass its cache for every trained graph, and which torch 2.13
 refuses outright for a checkpointed block with nothing to train."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -56,6 +57,7 @@ def test_a_checkpointed_block_runs_attention_once_and_its_gradients_are_unchange
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # inductor compiles the block (a forward and a backward graph)
 def test_a_compiled_checkpointed_block_with_nothing_to_train_runs(tmp_path, monkeypatch):
     """A block none of whose weights train (an adapter only outside the blocks) under gradients: torch 2.13 refused
     a recomputed attention there (random ops in a recompute region of an inference graph)."""

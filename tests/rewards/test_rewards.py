@@ -45,12 +45,12 @@ def test_a_smaller_detector_side_reads_the_same_text_from_small_images(ocr):
 def test_engines_in_parallel_read_what_one_engine_reads_in_order(ocr):
     """A replica of 3 CPUs reads with 3 engines at once: the texts and scores of a batch (more images than engines,
     not a multiple of them) are the one engine's, image for image; the replica gives the reward its CPUs."""
-    words = ["OPEN", "RAY", "HELLO", "GRPO 7", "CLOSED", "SALE", "EXIT"]
-    images = np.stack([render(w) for w in words[:6]] + [noise()])
+    words = ["OPEN", "RAY", "HELLO", "EXIT"]
+    images = np.stack([render(w) for w in words[:3]] + [noise()])
     prompts = [f'a sign that says "{w}"' for w in words]
-    parallel = OcrReward(threads=3)
-    assert parallel.score_and_read(images, prompts) == ocr.score_and_read(images, prompts)
-    assert parallel.read_all(images)[:2] == ["OPEN", "RAY"] and parallel.read_all(images)[6] == ""
+    scores, texts = OcrReward(threads=3).score_and_read(images, prompts)
+    assert (scores, texts) == ocr.score_and_read(images, prompts)
+    assert texts[:2] == ["OPEN", "RAY"] and texts[3] == ""
     with pytest.raises(ValueError, match="at least one engine"):
         OcrReward(threads=0)
     from app.config import RewardConfig

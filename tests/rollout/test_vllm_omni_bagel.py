@@ -16,6 +16,8 @@ from app.models.lora import random_lora
 from app.train.policy import Policy
 from app.types import GenerationRequest
 
+pytestmark = pytest.mark.slow  # the real engine, built for each kind of request (about 40 s on 2 AVX2 cores)
+
 TARGETS = GENERATION_TARGETS
 EDIT = torch.from_numpy((np.random.default_rng(1).random((64, 64, 3)) * 255).astype(np.uint8))
 CFG = dict(guidance_scale=4.0, negative_prompt="", image_guidance_scale=1.5, cfg_interval=(0.4, 1.0))

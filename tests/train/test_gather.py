@@ -42,6 +42,7 @@ def _rank(rank: int, world: int, port: int, failures) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # fresh processes (a gloo group of spawned ranks)
 @pytest.mark.parametrize("world", [2, 3])
 def test_row_shards_gathered_at_once_equal_full_tensor(world):
     failures = mp.get_context("spawn").SimpleQueue()

@@ -49,6 +49,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # fresh processes (a gloo group of spawned ranks)
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_every_rank_gets_each_key_combined_over_the_ranks_that_report_it(world):
     results = mp.get_context("spawn").SimpleQueue()
