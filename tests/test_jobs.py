@@ -25,16 +25,13 @@ def test_bench_rollout_prints_one_json_line(tmp_path):
     assert result["batched_over_per_sample"] > 0 and "trajectory_overhead_pct" in result
 
 
-def test_bench_train_step_shards_the_base_over_two_ranks_under_torchrun(tmp_path):
+def test_bench_train_step_shards_the_base_over_two_ranks_under_torchrun(tiny_model_dir):
     """`torchrun --nproc_per_node=2`: the base sharded over both ranks, each rank's own groups, one line from rank 0
     counting both ranks' images; FSDP2 keeps the gathered blocks for the backward when told."""
-    build = subprocess.run([sys.executable, "-m", "jobs.make_tiny_models", "--preset", "tiny", "--out",
-                            str(tmp_path / "tiny")], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-3000:]
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
          "jobs.bench_train_step", "--config", "configs/tiny_cpu.yaml", "--groups", "1", "--repeats", "1",
-         f"model.path={tmp_path / 'tiny'}", "train.reshard_after_forward=false"],
+         f"model.path={tiny_model_dir}", "train.reshard_after_forward=false"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -61,18 +58,17 @@ def test_bench_rollout_serves_an_adapter_merged_times_its_swap_and_profiles_a_gr
     assert profile["group_s"] > 0 and profile["images"] == 4 and "top_kernels" in profile
 
 
-@pytest.mark.parametrize("config,preset", [("tiny_cpu", "tiny"), ("tiny_sd3_cpu", "tiny-sd3"),
-                                           ("tiny_bagel_cpu", "tiny-bagel")])
-def test_bench_train_step_prints_one_json_line(tmp_path, config, preset):
+@pytest.mark.parametrize("config,model", [("tiny_cpu", "tiny_model_dir"), ("tiny_sd3_cpu", "tiny_sd3_dir"),
+                                          ("tiny_bagel_cpu", "tiny_bagel_dir")])
+def test_bench_train_step_prints_one_json_line(tmp_path, config, model, request):
     """The trainer benchmark runs the real update (FSDP2 over a world of one, gloo on CPU) with gradient
     checkpointing, as the GPU configs do, and profiles one micro-step; for each family (its groups shaped by the
-    family: BAGEL's text-to-image groups with a negative prompt's context under CFG)."""
-    build = subprocess.run([sys.executable, "-m", "jobs.make_tiny_models", "--preset", preset, "--out",
-                            str(tmp_path / "tiny")], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-3000:]
+    family: BAGEL's text-to-image groups with a negative prompt's context under CFG). On the session's tiny
+    checkpoints (built by the functions jobs.make_tiny_models calls), not built again in a process of their own."""
     done = subprocess.run(
         [sys.executable, "-m", "jobs.bench_train_step", "--config", f"configs/{config}.yaml", "--groups", "1",
-         "--repeats", "1", "--profile", str(tmp_path / "profile.json"), f"model.path={tmp_path / 'tiny'}",
+         "--repeats", "1", "--profile", str(tmp_path / "profile.json"),
+         f"model.path={request.getfixturevalue(model)}",
          "train.gradient_checkpointing=true", "rollout.guidance_scale=4.5", "rollout.negative_prompt=' '"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
