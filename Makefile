@@ -1,5 +1,5 @@
 # `make setup` builds .venv with everything the project needs (idempotent); `make test` runs `make lint`, then the
-# whole suite (CI); `make test-fast` leaves out the tests marked slow (well under two minutes); `make train` runs
+# whole suite (CI); `make test-fast` leaves out the tests marked slow (within three minutes on a 2-core machine); `make train` runs
 # the main job on the tiny CPU config.
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
 VENV   := .venv
