@@ -48,6 +48,8 @@ def cache_dir_for(cache_dir: str | os.PathLike | None, kernels: Iterable[str]) -
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         cache_dir = _DEFAULT_CACHE_DIR or default_cache_dir()
+        if Path(cache_dir).name.startswith("attention-"):  # inherited from a parent process that chose kernels
+            cache_dir = Path(cache_dir).parent
     root = Path(cache_dir).expanduser().resolve()
     kernels = list(kernels)
     return root if kernels == list(SDPA_KERNELS) else root / f"attention-{'-'.join(kernels)}"

@@ -93,3 +93,7 @@ def test_a_process_allowing_only_some_kernels_caches_its_graphs_apart(tmp_path, 
     compile_mod.use_cache_dir(None)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(default)
     assert compile_mod.cache_dir_for(tmp_path, ["math"]) == tmp_path / "attention-math"
+    # a child process inherits the folder its parent chose: its own choice goes beside it, not inside
+    monkeypatch.setattr(compile_mod, "_DEFAULT_CACHE_DIR", str(default / "attention-flash-math"))
+    assert compile_mod.cache_dir_for(None, ["cudnn", "math"]) == default / "attention-cudnn-math"
+    assert compile_mod.cache_dir_for(None, SDPA_KERNELS) == default
