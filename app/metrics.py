@@ -45,8 +45,9 @@ class RunLog:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
+        # the wall clock beside each step (as tensorboard keeps it): what a restart or a stall cost reads from it
         with self.history.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(json.dumps({"step": step, "time": round(time.time(), 3), **metrics}) + "\n")
 
     def log_images(self, step: int, images: np.ndarray, prompts: list[str],
                    rewards: list[dict[str, list[float]]]) -> Future:

@@ -128,3 +128,19 @@ def test_image_grids_are_drawn_off_the_loops_thread(tmp_path, monkeypatch, capfd
     assert any(f.name.startswith("events.out.tfevents") for f in (tmp_path / "tensorboard").iterdir())
     assert isinstance(broken.exception(), ValueError) and not (tmp_path / "images" / "step_000002.png").exists()
     assert "the step's image grid was not logged: ValueError('3 images, 2 prompts" in capfd.readouterr().err
+
+
+def test_each_history_row_carries_its_wall_clock_time(tmp_path):
+    """A step's row in metrics.jsonl says when it was written (the cost of a restart is read from these)."""
+    import time
+
+    import app.metrics as metrics
+
+    log = metrics.RunLog(tmp_path, first_step=0, total_steps=2)
+    before = time.time()
+    log.log(1, {"reward/mean": 0.5})
+    log.log(2, {"reward/mean": 0.25})
+    log.close()
+    rows = metrics.read_history(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["reward/mean"] == 0.25
+    assert before - 0.01 <= rows[0]["time"] <= rows[1]["time"] <= time.time() + 0.01

@@ -45,8 +45,8 @@ def main(folder: str, prefix: str = "", title: str = "2x H200 split 1 + 1") -> N
               ylabel="JPEG compressibility reward")
     paired.set(title="trained − lr 0, step by step (same prompts and noise)", xlabel="step", ylabel="reward difference")
     evals.set(title="eval set (16 held-out prompts, fixed noise)", xlabel="step", ylabel="mean reward")
-    for ax in (train, evals):
-        ax.legend(fontsize="small")
+    for ax in (train, evals):  # under the axes: a curve may pass anywhere inside them
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.suptitle(f"Real-size Qwen-Image (random weights), {title}, compiled k = 1, diffusers engine")
     fig.tight_layout()
     out = d / f"{prefix}learning_check.png"
