@@ -6,6 +6,7 @@
 # diffusers engine.
 # Once both lanes are done, `quad` runs on all four GPUs one after another (its own cluster).
 #   bash docs/perf/scale/gpu_lanes.sh start [quad|learn4] | wait 540 [a|b|q] | collect
+#   (the 4-GPU runs a lease left: LANES=0 BENCH_EXPORT=0 QUAD_RUNS="q_eager_2p2 q_3p1" ... start quad)
 #   (LANES=0: no 2-GPU lanes; QUAD_RUNS="...": which 4-GPU runs, in order; CHECK=1 NGPUS=4: a dry run on any
 #   machine, every job's config loaded and nothing run)
 # The lanes of a lease are this script's functions; git history has each lease's (docs/perf/scale/README.md).
@@ -13,7 +14,9 @@
 # later lease that carries it back (`carry: [".devcache"]`, the file at $SEED) starts its first steps warm.
 set -uo pipefail
 RES=/tmp/lanes; RUNS=${RUNS:-docs/perf/scale/gpu_runs.sh}  # CHECK=1: a dry run of the plan (gpu_runs.sh)
-SEED=${SEED_CACHE:-.devcache/compile_cache_scale.tgz}
+# a path carried in one call is gone in the next (the device tool replaces the carried paths at every call): the call
+# that carries .devcache copies it to /tmp/seed.tgz, which `start` then finds
+SEED=${SEED_CACHE:-.devcache/compile_cache_scale.tgz}; [ -f "$SEED" ] || SEED=/tmp/seed.tgz
 source "${BASH_SOURCE%/*}/../cores.sh"
 # the learning check (issue 34 point 4): 40 steps, the eval set's JPEG reward every 10 (16 held-out prompts,
 # deterministic), before the first step too
@@ -64,8 +67,8 @@ quad_run() {  # quad_run NAME: one 4-GPU placement, 10 steps
 quad() {  # issue 38: on all four GPUs, one after another, once both lanes are done
   until [ -f $RES/a.done -a -f $RES/b.done ]; do sleep 2; done
   lane 0,1,2,3 q 8003
-  for n in 2 4; do  # the LoRA's way out of 2 and 4 ranks: pinned against pageable host memory
-    [ -n "${CHECK:-}" ] && break
+  for n in 2 4; do  # the LoRA's way out of 2 and 4 ranks: pinned against pageable host memory (BENCH_EXPORT=0: not again)
+    [ -n "${CHECK:-}" ] || [ "${BENCH_EXPORT:-1}" = 0 ] && break
     timeout 300 torchrun --standalone --nproc_per_node=$n -m jobs.bench_export --repeats 5 2>&1 | grep '^{' \
       >> $OUT/bench_export.jsonl
   done
