@@ -24,11 +24,13 @@ $(STAMP): pyproject.toml app/platform/cpu_torch_shim.py
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# two pytest-xdist workers: the tests that start Ray on one, in order; the in-process ones (one thread each) beside
+# them (tests/conftest.py)
 test: setup lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow"
 
 # config overrides given on make's command line: every variable whose name has a dot (`make train
 # rollout.engine=diffusers train.num_steps=4`); ARGS="key=value ..." works too

@@ -21,13 +21,24 @@ def pytest_configure(config):
     torch.set_num_threads(1)  # 2-core CI machines: oversubscription makes tiny models 40x slower
 
 
+RAY_FIXTURES = {"ray_cluster", "job_cluster"}
+
+
 def pytest_collection_modifyitems(config, items):
     """`jobs` tests run first: each starts its own Ray cluster, and the session's cluster and engines (started by
     later tests, kept to the end) would otherwise idle next to them on the same cores. GPU tests are deselected
-    on machines without CUDA (reported as deselected, never as passed or skipped)."""
+    on machines without CUDA (reported as deselected, never as passed or skipped).
+
+    Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) every test that starts or joins a Ray cluster goes to
+    one worker, in this order (one cluster at a time, as in a run without workers), and the other tests go a module
+    at a time (a module's fixtures built once): the in-process tests, one thread each, use the second core."""
     import torch
 
     items.sort(key=lambda item: item.get_closest_marker("jobs") is None)  # stable: file order otherwise
+    for item in items:
+        uses_ray = RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or any(
+            item.get_closest_marker(m) for m in ("jobs", "ray"))
+        item.add_marker(pytest.mark.xdist_group("ray" if uses_ray else item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
@@ -38,7 +49,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session, exitstatus):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None or exitstatus != 0:
+    if reporter is None or exitstatus != 0 or hasattr(session.config, "workerinput"):  # xdist: the controller counts
         return
     passed = len(reporter.stats.get("passed", []))
     skipped = len(reporter.stats.get("skipped", []))

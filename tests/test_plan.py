@@ -351,6 +351,7 @@ def test_a_run_folder_says_its_own_placement(tmp_path):
 
 
 @pytest.mark.slow  # a Ray cluster of its own
+@pytest.mark.ray
 def test_the_shared_overrides_put_a_replica_and_a_rank_on_each_gpu():
     """Ray hands out fractions of a GPU best-fit: replicas at half a GPU pack two to a GPU (the warning says so),
     while the planner's shared shares (a replica more than half, placed first as jobs.train does, then the ranks
