@@ -24,6 +24,7 @@ def pytest_configure(config):
 RAY_FIXTURES = {"ray_cluster", "job_cluster"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group markers into the test ids
 def pytest_collection_modifyitems(config, items):
     """`jobs` tests run first: each starts its own Ray cluster, and the session's cluster and engines (started by
     later tests, kept to the end) would otherwise idle next to them on the same cores. GPU tests are deselected
