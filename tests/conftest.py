@@ -48,6 +48,17 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's controller, once a worker has collected
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under `--dist loadgroup` every test id must carry its group (xdist appends `@group` on the worker); a pytest
+    whose ids ignore that would run two Ray clusters side by side on two workers, silently: stop instead."""
+    if node.config.getvalue("dist") == "loadgroup":
+        lost = [nodeid for nodeid in ids if "@" not in nodeid.rsplit("]", 1)[-1]]
+        if lost:
+            pytest.exit(f"xdist's loadgroup lost the groups of {len(lost)} tests (e.g. {lost[0]}): pytest-xdist "
+                        "cannot group tests on this pytest; install pytest<9.2 (pyproject.toml's bound)", returncode=4)
+
+
 def pytest_sessionfinish(session, exitstatus):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None or exitstatus != 0 or hasattr(session.config, "workerinput"):  # xdist: the controller counts
