@@ -24,6 +24,19 @@ def pytest_configure(config):
 RAY_FIXTURES = {"ray_cluster", "job_cluster"}
 
 
+def _uses_ray(item) -> bool:
+    return bool(RAY_FIXTURES & set(getattr(item, "fixturenames", ()))) or any(
+        item.get_closest_marker(m) for m in ("jobs", "ray"))
+
+
+def pytest_runtest_setup(item):
+    """An xdist worker that runs an in-process test lowers its priority for good (nice 19): the Ray tests' clusters
+    on the other worker need both cores at their start, and the in-process tests take what they leave. The worker
+    that runs the Ray group starts with it (the first group) and so stays at its priority while it runs it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and not _uses_ray(item) and os.getpriority(os.PRIO_PROCESS, 0) < 19:
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group markers into the test ids
 def pytest_collection_modifyitems(config, items):
     """`jobs` tests run first: each starts its own Ray cluster, and the session's cluster and engines (started by
@@ -37,9 +50,7 @@ def pytest_collection_modifyitems(config, items):
 
     items.sort(key=lambda item: item.get_closest_marker("jobs") is None)  # stable: file order otherwise
     for item in items:
-        uses_ray = RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or any(
-            item.get_closest_marker(m) for m in ("jobs", "ray"))
-        item.add_marker(pytest.mark.xdist_group("ray" if uses_ray else item.nodeid.split("::")[0]))
+        item.add_marker(pytest.mark.xdist_group("ray" if _uses_ray(item) else item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
