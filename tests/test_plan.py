@@ -276,8 +276,9 @@ def test_the_predictions_match_the_four_gpu_runs(tmp_path):
 def test_the_predictions_match_the_second_four_gpu_lease(tmp_path):
     """Fed the 2-GPU runs of the second 4x H200 lease (`lease5_4xh200/`), the planner predicts each 4-GPU run of
     that lease within 15 %: the best, 2 + 2 keeping its gathers with the activation budget (from `split_k1_budget`),
-    which it chooses; 1 + 3 on 3 groups, and the shared placement's median step on the compiled default efficiency
-    (from `split_k1`; its mean holds a one-time 45 s publication the planner does not model). On the eager default
+    which it chooses; 1 + 3 on 3 groups, 3 + 1 (run in `lease7_4xh200/`), and the shared placement's median step on
+    the compiled default efficiency (from `split_k1`; its mean holds a one-time 45 s publication the planner does not
+    model). On the eager default
     (0.9) the shared placement was predicted 1.08x its median."""
     lease = SCALE / "lease5_4xh200"
     benches = TRAIN_BENCHES
@@ -308,6 +309,9 @@ def test_the_predictions_match_the_second_four_gpu_lease(tmp_path):
     three, _ = predictions(split, "train.groups_per_step=3")
     assert math.isclose(three["split: 1 replica + 3 ranks"]["images_per_s_per_gpu"], measured("q_1p3"), rel_tol=0.15)
     four, _ = predictions(split, "train.groups_per_step=4")
+    # 3 + 1 ran in a later lease (`lease7_4xh200/`, another 4x H200): predicted from this lease's 2-GPU split
+    assert math.isclose(four["split: 3 replicas + 1 rank"]["images_per_s_per_gpu"],
+                        _measured(SCALE / "lease7_4xh200", "q_3p1"), rel_tol=0.15)
     shared = "shared: 4 GPUs, each 1 replica + 1 rank"
     assert math.isclose(four[shared]["images_per_s_per_gpu"], median_step("q_shared4_mor1"), rel_tol=0.15)
     eager_default = _plan_cli(*CONFIG, "train.max_staleness=1", "train.groups_per_step=4", "--gpus", "4",

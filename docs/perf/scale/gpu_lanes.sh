@@ -6,7 +6,7 @@
 # diffusers engine.
 # Once both lanes are done, `quad` runs on all four GPUs one after another (its own cluster).
 #   bash docs/perf/scale/gpu_lanes.sh start [quad|learn4] | wait 540 [a|b|q] | collect
-#   (the 4-GPU runs a lease left: LANES=0 BENCH_EXPORT=0 QUAD_RUNS="q_eager_2p2 q_3p1" ... start quad)
+#   (4-GPU runs alone: LANES=0 BENCH_EXPORT=0 QUAD_RUNS="q_2p2_keep_budget q_eager_2p2" ... start quad, as lease7b_4xh200/)
 #   (LANES=0: no 2-GPU lanes; QUAD_RUNS="...": which 4-GPU runs, in order; CHECK=1 NGPUS=4: a dry run on any
 #   machine, every job's config loaded and nothing run)
 # The lanes of a lease are this script's functions; git history has each lease's (docs/perf/scale/README.md).
@@ -75,7 +75,7 @@ quad() {  # issue 38: on all four GPUs, one after another, once both lanes are d
   for run in $QUAD_RUNS; do quad_run $run; done
 }
 LEARN_ON=${LEARN_ON:-q_2p2_keep_budget}  # the best 4-GPU placement measured (lease5_4xh200/)
-AFTER_LEARN=${AFTER_LEARN:-q_eager_2p2 q_3p1}  # the 4-GPU runs left, while the lease lasts
+AFTER_LEARN=${AFTER_LEARN:-q_eager_2p2 q_3p1}  # 4-GPU runs after the learning runs, while the lease lasts
 learn4() {  # the learning check and the kill on the best 4-GPU placement: the trained run's trainer worker is
   # SIGKILLed after step 22 and restarts from the checkpoint of step 20 (issue 38 points 3 and 4 in one run); then
   # the same run at lr 0 (same seeds), then the placements a lease before did not reach
