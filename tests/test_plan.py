@@ -278,8 +278,7 @@ def test_the_predictions_match_the_second_four_gpu_lease(tmp_path):
     that lease within 15 %: the best, 2 + 2 keeping its gathers with the activation budget (from `split_k1_budget`),
     which it chooses; 1 + 3 on 3 groups, 3 + 1 (run in `lease7_4xh200/`), and the shared placement's median step on
     the compiled default efficiency (from `split_k1`; its mean holds a one-time 45 s publication the planner does not
-    model). On the eager default
-    (0.9) the shared placement was predicted 1.08x its median."""
+    model). On the eager default (0.9) the shared placement was predicted 1.08x its median."""
     lease = SCALE / "lease5_4xh200"
     benches = TRAIN_BENCHES
 
