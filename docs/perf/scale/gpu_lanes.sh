@@ -6,7 +6,7 @@
 # diffusers engine.
 # Once both lanes are done, `quad` runs on all four GPUs one after another (its own cluster).
 #   bash docs/perf/scale/gpu_lanes.sh start [quad|learn4] | wait 540 [a|b|q] | collect
-#   (4-GPU runs alone: LANES=0 BENCH_EXPORT=0 QUAD_RUNS="q_2p2_keep_budget q_eager_2p2" ... start quad, as lease7b_4xh200/)
+#   (4-GPU runs alone, as lease7b_4xh200/: LANES=0 BENCH_EXPORT=0 QUAD_RUNS="q_2p2_keep_budget ..." ... start quad)
 #   (LANES=0: no 2-GPU lanes; QUAD_RUNS="...": which 4-GPU runs, in order; CHECK=1 NGPUS=4: a dry run on any
 #   machine, every job's config loaded and nothing run)
 # The lanes of a lease are this script's functions; git history has each lease's (docs/perf/scale/README.md).
