@@ -16,6 +16,15 @@ and `compile_frames_timed` counts compilations during the timed batched passes (
 does after its first step, and after the timed passes swaps in a second one: `adapter_swap_s` is what a new version
 costs the next group (with `rollout.merge_lora=true`: folding it into the weights).
 
+With vllm-omni (its model in its own worker process) the adapter is made from the checkpoint's layer shapes
+(`denoiser_skeleton`), and `adapter_load_s` (every engine) is what handing a new version to the engine takes.
+
+--mismatch (an out-of-process engine: vllm-omni) scores the first group of the timed passes with the trainer's
+code (the family's `score_trajectory`, eager, the run's dtype, micro-batches of `train.micro_batch_size`, the
+adapter attached) once the engine has closed, in this process on its device: `logprob_mismatch_max` is the largest
+|log-prob| gap over the group's stochastic steps, what `rollout/logprob_mismatch_max` logs in a run with
+`train.old_logprob: recompute` (with `rollout`, the first pass's ratio is off by about that much).
+
 --profile FILE writes one more group of an in-process engine under the torch profiler: GPU seconds by kind of
 kernel, the top kernels, and the share of the group's wall time the GPU was busy (`gpu_busy`: well under 1, the
 GPU waits on Python's launches, which CUDA graphs remove, or on synchronisations); on a GPU also its idle seconds
@@ -38,7 +47,7 @@ from app.flops import group_flops, mfu
 from app.models.attention import sdpa_kernels
 from app.models.compile import cache_counts, compile_counts
 from app.models.family import get_family
-from app.models.lora import random_lora
+from app.models.lora import attach_lora, random_lora
 from app.types import LoraAdapter
 from deployments.rollout import make_engine
 from jobs.report import emit_json_line, profiled
@@ -56,13 +65,37 @@ async def _timed(label: str, run, requests, repeats: int) -> tuple[float, float,
     return statistics.median(times), times[-1], results
 
 
-def _random_adapter(engine, model, version: int) -> LoraAdapter:
-    """A random adapter of the run's LoRA shape for `engine`'s module (the module itself left as it is)."""
+def _random_adapter(engine, family, model, version: int) -> LoraAdapter:
+    """A random adapter of the run's LoRA shape for `engine`'s module (the module itself left as it is), or for the
+    checkpoint's layers where the engine's model lives in another process."""
+    module = engine.trained_module() if hasattr(engine, "trained_module") else family.denoiser_skeleton(model.path)
     try:
-        return random_lora(engine.trained_module(), version=version, rank=model.lora_rank,
-                           target_modules=model.lora_targets, seed=version, scale=0.1, alpha=model.lora_alpha)
+        return random_lora(module, version=version, rank=model.lora_rank, target_modules=model.lora_targets,
+                           seed=version, scale=0.1, alpha=model.lora_alpha)
     except ValueError as err:
         raise SystemExit(f"--adapter: {err} (model.lora_target_modules)") from None
+
+
+def _trainer_mismatch(family, config, traj, adapter: LoraAdapter | None) -> dict:
+    """How far the trainer's recompute of `traj`'s log-probs is from the engine's (module doc, --mismatch)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    denoiser = family.load_denoiser(config.model.path, dtype=getattr(torch, str(config.model.dtype)),
+                                    device=device).eval()
+    if adapter is not None:
+        attach_lora(denoiser, adapter)
+    steps, micro = traj.stochastic_steps, config.train.micro_batch_size
+    gaps = torch.zeros(traj.group_size, len(steps))
+    with torch.no_grad():
+        for start in range(0, traj.group_size, micro):
+            samples = list(range(start, min(start + micro, traj.group_size)))
+            scored = family.score_trajectory(denoiser, traj, steps, samples)
+            for k, (i, out) in enumerate(zip(steps, scored, strict=True)):
+                gaps[samples, k] = (out.log_prob.float().cpu() - traj.log_probs[samples, i]).abs()
+    del denoiser
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"logprob_mismatch_max": float(gaps.max()), "logprob_mismatch_mean": float(gaps.mean()),
+            "mismatch_micro_batch": micro, "mismatch_adapter": adapter is not None}
 
 
 async def _profile(engine, request, path: str) -> None:
@@ -74,21 +107,25 @@ async def _profile(engine, request, path: str) -> None:
 
 
 async def bench(config, groups: int, repeats: int, batched_only: bool = False, adapter: bool = False,
-                profile: str | None = None) -> dict:
+                profile: str | None = None, mismatch: bool = False) -> dict:
     family = get_family(config.model.family)
     if config.model.build_tiny:
         family.build_tiny(config.model.path, seed=config.model.tiny_seed)
     engine = make_engine(config.model, config.rollout)
-    for flag, wanted in (("--adapter", adapter), ("--profile", profile)):
-        if wanted and not hasattr(engine, "trained_module"):
-            raise SystemExit(f"{flag}: the {engine.kind} engine's model is not in this process; use an in-process "
-                             "engine (rollout.engine=diffusers, or bagel)")
+    if profile and not hasattr(engine, "trained_module"):
+        raise SystemExit(f"--profile: the {engine.kind} engine's model is not in this process; use an in-process "
+                         "engine (rollout.engine=diffusers, or bagel)")
+    if mismatch and hasattr(engine, "trained_module"):
+        raise SystemExit(f"--mismatch: the {engine.kind} engine runs the trainer's own code in this process (its "
+                         "log-probs are the trainer's in a batch of the same size); use rollout.engine=vllm_omni")
     await engine.start()
     requests = [config.rollout.request(PROMPTS[i % len(PROMPTS)], seed=i) for i in range(groups)]
     ro = config.rollout
     images = groups * ro.group_size
+    served = None
     if adapter:
-        await engine.load_lora(_random_adapter(engine, config.model, 1))  # applied by the first group
+        served = _random_adapter(engine, family, config.model, 1)
+        await engine.load_lora(served)  # applied by the first group
     began = time.perf_counter()
     first = await engine.generate(requests[0])  # warm-up: first-call allocations (and compilation)
     for r in requests[1:]:  # every prompt once: its text length (a new shape for a compiled block)
@@ -100,9 +137,11 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
     for traj in trajs:
         for phase, seconds in traj.producer.get("phase_s", {}).items():
             phases[phase] = phases.get(phase, 0.0) + seconds
-    swap = None
+    swap = load = None
     if adapter:  # the next version, as a run publishes it; a replica's next group pays for the swap
-        await engine.load_lora(_random_adapter(engine, config.model, 2))
+        began = time.perf_counter()
+        await engine.load_lora(_random_adapter(engine, family, config.model, 2))
+        load = time.perf_counter() - began
         swap = (await engine.generate(requests[0])).producer.get("adapter_swap_s")
     frames = compile_counts()["frames"] - frames  # the timed passes and a new version: 0 in steady state
     if profile:
@@ -115,6 +154,7 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
         await engine.generate(requests[0])
         per_sample, _, _ = await _timed("per-sample", engine.generate, requests, repeats)
     await engine.close()
+    gap = _trainer_mismatch(family, config, trajs[0], served) if mismatch else {}
     # useful FLOPs of the batched mode: every denoising step's forward, both CFG branches
     denoiser = family.denoiser_config(config.model.path)
     flops = groups * group_flops(family, denoiser, first, trained_steps=0, kl=False)["rollout"]
@@ -128,6 +168,7 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
         "adapter": adapter, "merge_lora": getattr(engine, "merged_base_on", None),
         "attention_kernels": sdpa_kernels() if hasattr(engine, "trained_module") else None,  # vllm-omni: its own
         "adapter_swap_s": round(swap, 5) if swap is not None else None,
+        "adapter_load_s": round(load, 4) if load is not None else None,
         "warmup_s": round(warmup, 1), "compile_frames_timed": frames,
         "compile_cache": cache_counts(),
         "batched_images_per_s": round(images / batched, 2),
@@ -139,6 +180,7 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
             "trajectory_overhead_pct": round(100 * (batched - plain) / plain, 1)}),
         "batched_tflops": round(flops / batched / 1e12, 1),
         "batched_mfu": round(mfu(flops, batched, 1), 4) if torch.cuda.is_available() else None,
+        **gap,
     }
 
 
@@ -151,12 +193,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="time the batched mode only (no stock-pipeline or per-sample comparison)")
     parser.add_argument("--adapter", action="store_true",
                         help="serve a random adapter of the run's LoRA shape (and time the swap to a second one)")
+    parser.add_argument("--mismatch", action="store_true",
+                        help="the trainer's recompute of the first timed group's log-probs against the engine's "
+                             "(an out-of-process engine; after it closed)")
     parser.add_argument("--profile", help="write the GPU time by kind of kernel of one more group to this JSON file")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args(argv)  # key=value overrides before or after the options
     config = load(args.config, args.overrides)
     result = asyncio.run(bench(config, args.groups, args.repeats, args.batched_only, args.adapter,
-                                 args.profile))
+                                 args.profile, args.mismatch))
     emit_json_line(result)
     return 0
 

@@ -41,7 +41,8 @@ def pytest_runtest_setup(item):
 def pytest_collection_modifyitems(config, items):
     """`jobs` tests run first: each starts its own Ray cluster, and the session's cluster and engines (started by
     later tests, kept to the end) would otherwise idle next to them on the same cores. GPU tests are deselected
-    on machines without CUDA (reported as deselected, never as passed or skipped).
+    on machines without CUDA (reported as deselected, never as passed or skipped); on a machine with CUDA the
+    engines' tests (`engine`) count as GPU tests too, so `-m gpu` runs them there on CUDA.
 
     Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) every test that starts or joins a Ray cluster goes to
     one worker, in this order (one cluster at a time, as in a run without workers), and the other tests go a module
@@ -52,6 +53,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group("ray" if _uses_ray(item) else item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
+        for item in items:  # the engines' tests run on CUDA here: part of a GPU run (`-m gpu`)
+            if item.get_closest_marker("engine"):
+                item.add_marker(pytest.mark.gpu)
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu:

@@ -143,6 +143,13 @@ class DiffusersFamily(FamilyBase):
     def denoiser_config(self, path):
         return self._diffusers(self.transformer_class).load_config(Path(path) / "transformer")
 
+    def denoiser_skeleton(self, path):
+        import torch
+
+        cls = self._diffusers(self.transformer_class)
+        with torch.device("meta"):
+            return cls.from_config(cls.load_config(Path(path) / "transformer"))
+
     def shard_units(self, denoiser):
         return list(denoiser.transformer_blocks), True
 
@@ -181,6 +188,10 @@ class ModelFamily(Protocol):
 
     def denoiser_config(self, path: str | Path) -> Any:
         """The denoiser's config (what `forward_flops` reads) from a checkpoint folder, without loading weights."""
+
+    def denoiser_skeleton(self, path: str | Path) -> torch.nn.Module:
+        """The trained module's layers on the meta device, nothing read but the config: the shapes an adapter is
+        made from where the weights live in another process (vllm-omni's)."""
 
     def shard_units(self, denoiser: torch.nn.Module) -> tuple[list[torch.nn.Module], bool]:
         """(FSDP2 units, whether the root is sharded too)."""

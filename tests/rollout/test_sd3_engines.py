@@ -13,7 +13,7 @@ from app.models.sd3 import FAMILY
 from app.models.sd3 import model as sd3
 from app.types import GenerationRequest
 
-pytestmark = pytest.mark.slow  # vllm-omni's engine in its own process
+pytestmark = [pytest.mark.slow, pytest.mark.engine]  # vllm-omni's engine in its own process
 PARITY_TOL = 1e-5
 
 

@@ -16,7 +16,8 @@ from app.models.lora import random_lora
 from app.train.policy import Policy
 from app.types import GenerationRequest
 
-pytestmark = pytest.mark.slow  # the real engine, built for each kind of request (about 40 s on 2 AVX2 cores)
+# the real engine, built for each kind of request (about 40 s on 2 AVX2 cores)
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 TARGETS = GENERATION_TARGETS
 EDIT = torch.from_numpy((np.random.default_rng(1).random((64, 64, 3)) * 255).astype(np.uint8))

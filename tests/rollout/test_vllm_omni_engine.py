@@ -14,6 +14,7 @@ from app.types import GenerationRequest, LoraAdapter
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
            "img_mlp.net.2"]
 PARITY_TOL = 1e-5
+pytestmark = pytest.mark.engine  # CPU platform here, CUDA on a GPU machine
 
 
 def request(**changes) -> GenerationRequest:
@@ -162,6 +163,25 @@ def test_lora_in_memory_versions_and_parity(vllm_engine, aio, tiny_model_dir, lo
     assert aio(vllm_engine.load_lora(lora_v3)) == 3  # re-publishing the served version is a no-op
     with pytest.raises(ValueError, match="older than the served version 3"):
         aio(vllm_engine.load_lora(dataclasses.replace(lora_v3, version=2)))
+
+
+def test_an_adapter_scaled_by_alpha_over_rank_keeps_parity_group_after_group(vllm_engine, aio, tiny_model_dir,
+                                                                               base_model_after):
+    """The GPU configs train with lora_alpha = 2 x rank, and vllm's LoRA manager folds alpha / r into B in place
+    when it loads an adapter: that must reach neither the engine's staged copy (a second load of the version would
+    scale it again) nor the caller's tensors, which the worker process shares (they came back scaled by 2: a
+    trainer scoring with them was 7e-4 off in log-prob on the tiny model)."""
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer").eval()
+    adapter = random_lora(transformer, version=5, rank=4, alpha=8, target_modules=TARGETS, seed=1, scale=0.5)
+    staged = {k: v.clone() for k, v in adapter.tensors.items()}
+    aio(vllm_engine.load_lora(adapter))
+    attach_lora(transformer, adapter)
+    for _ in range(2):
+        traj = aio(vllm_engine.generate(request()))
+        assert traj.lora_version == 5
+        diff = (recompute(transformer, traj) - traj.log_probs).abs().max().item()
+        assert diff <= PARITY_TOL, diff
+    assert all(torch.equal(adapter.tensors[k], v) for k, v in staged.items())
 
 
 def test_zero_adapter_reproduces_the_base_model_exactly(vllm_engine, aio, lora_v3, base_model_after):

@@ -38,6 +38,11 @@ class Bagel(FamilyBase):
         return {**llm, "latent_patch_size": config["latent_patch_size"],
                 "latent_channels": config["vae_config"]["z_channels"]}
 
+    def denoiser_skeleton(self, path):
+        from app.models.bagel.model import BagelMoT
+
+        return BagelMoT.skeleton(path)
+
     def shard_units(self, denoiser):
         # the decoder layers only: the rest (embeddings, timestep and latent projections, the ViT) is frozen and
         # used outside `forward` (the context and velocity methods), where a sharded root would not be gathered;

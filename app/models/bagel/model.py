@@ -259,24 +259,30 @@ class BagelMoT(ModelMixin, ConfigMixin, PeftAdapterMixin):
             self.vit_pos_embed = _PositionTable(vit_max_num_patch_per_side, hidden_size)
 
     @classmethod
+    def skeleton(cls, path: str | Path) -> BagelMoT:
+        """The model of a BAGEL-7B-MoT folder's config files on the meta device (no weights read)."""
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text())
+        llm = json.loads((path / "llm_config.json").read_text())
+        with torch.device("meta"):
+            return cls(vocab_size=llm["vocab_size"], hidden_size=llm["hidden_size"],
+                       intermediate_size=llm["intermediate_size"], num_hidden_layers=llm["num_hidden_layers"],
+                       num_attention_heads=llm["num_attention_heads"],
+                       num_key_value_heads=llm["num_key_value_heads"], rms_norm_eps=llm["rms_norm_eps"],
+                       rope_theta=llm["rope_theta"], max_latent_size=config["max_latent_size"],
+                       latent_patch_size=config["latent_patch_size"],
+                       latent_channels=config["vae_config"]["z_channels"],
+                       vae_downsample=config["vae_config"]["downsample"], vit_config=config.get("vit_config"),
+                       vit_max_num_patch_per_side=config["vit_max_num_patch_per_side"])
+
+    @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu") -> BagelMoT:
         """A BAGEL-7B-MoT folder (`config.json`, `llm_config.json`, `ema.safetensors`), loaded strictly."""
         from safetensors.torch import load_file
 
         path = Path(path)
-        config = json.loads((path / "config.json").read_text())
-        llm = json.loads((path / "llm_config.json").read_text())
-        with torch.device("meta"):
-            model = cls(vocab_size=llm["vocab_size"], hidden_size=llm["hidden_size"],
-                        intermediate_size=llm["intermediate_size"], num_hidden_layers=llm["num_hidden_layers"],
-                        num_attention_heads=llm["num_attention_heads"],
-                        num_key_value_heads=llm["num_key_value_heads"], rms_norm_eps=llm["rms_norm_eps"],
-                        rope_theta=llm["rope_theta"], max_latent_size=config["max_latent_size"],
-                        latent_patch_size=config["latent_patch_size"],
-                        latent_channels=config["vae_config"]["z_channels"],
-                        vae_downsample=config["vae_config"]["downsample"], vit_config=config.get("vit_config"),
-                        vit_max_num_patch_per_side=config["vit_max_num_patch_per_side"])
+        model = cls.skeleton(path)
         state = load_file(str(path / "ema.safetensors"), device=str(device))
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
         for owner_name, owner in model.named_modules():  # buffers no checkpoint holds: SigLIP's position ids

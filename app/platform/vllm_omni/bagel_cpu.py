@@ -1,16 +1,21 @@
-"""What vllm-omni 0.30's BAGEL pipeline needs to run on the CPU (and, for the tiny test model, nothing more):
-every workaround in one place, each a no-op on CUDA. Nothing here knows our models: what a checkpoint declares
-(a tiny autoencoder's geometry) is handed in by the caller.
+"""What vllm-omni 0.30's BAGEL pipeline needs to run on the CPU, and to run a tiny checkpoint on any device: every
+workaround in one place. Nothing here knows our models: what a checkpoint declares (a tiny autoencoder's geometry)
+is handed in by the caller.
 
+On the CPU only (no-ops on CUDA):
 1. `_C::silu_and_mul`: vllm's `SiluAndMul.__init__` binds this op on a CPU platform, and the CUDA vllm wheel has no
    CPU kernels. Defined here (torch.library) only when it is missing.
 2. Input casts: the pipeline runs its model calls under CUDA autocast, which it disables on the CPU, so fp32 inputs
    (timestep embeddings, latents, pixels) meet bf16 weights at the model's entry points. A forward pre-hook casts
    them there, which is what autocast does on CUDA.
+
+For a tiny checkpoint, on every device (CUDA included: without 3, vllm-omni's loader finds the checkpoint's
+autoencoder weights fit no parameter, "weights were not initialized from checkpoint"):
 3. The tiny autoencoder: vllm-omni always builds the 84M-parameter FLUX autoencoder; a tiny checkpoint declares a
    smaller geometry, which the caller passes (`adapt_pipeline(..., autoencoder=...)`), and it is swapped in.
-4. The engine's start-up warm-up asks for a 512x512 image (with an input image): minutes in bf16 on a CPU, and
-   refused by a checkpoint that generates less. On the CPU it asks for the smallest size instead.
+4. The engine's start-up warm-up asks for a 512x512 image (with an input image), which a checkpoint that generates
+   less refuses (and which takes minutes in bf16 on a CPU): where the caller says so (`shrink_warmup(applies)`:
+   on the CPU, and for a tiny checkpoint) it asks for the smallest size instead.
 """
 
 from __future__ import annotations
@@ -50,16 +55,15 @@ def _cast_to_weight_dtype(module: torch.nn.Module, args: tuple, kwargs: dict):
 
 
 def adapt_pipeline(pipeline, *, autoencoder: dict | None = None) -> None:
-    """Workarounds 2 and 3 on a constructed `BagelPipeline` running off CUDA (before its weights load).
+    """Workaround 3 on a constructed `BagelPipeline` (before its weights load), and 2 when it runs off CUDA.
     autoencoder: the `AutoEncoderParams` of a smaller autoencoder the checkpoint holds (None: FLUX's own)."""
-    if pipeline.device.type == "cuda":
-        return
     if autoencoder:
-        tiny = autoencoder
         from vllm_omni.diffusion.models.bagel.autoencoder import AutoEncoderParams, DistributedAutoEncoder
 
         dtype = next(pipeline.vae.parameters()).dtype
-        pipeline.vae = DistributedAutoEncoder(AutoEncoderParams(**tiny)).to(pipeline.device, dtype)
+        pipeline.vae = DistributedAutoEncoder(AutoEncoderParams(**autoencoder)).to(pipeline.device, dtype)
+    if pipeline.device.type == "cuda":
+        return
     bagel = pipeline.bagel
     for module in (bagel.time_embedder.mlp, bagel.vae2llm, bagel.llm2vae, pipeline.vae.encoder,
                    pipeline.vae.decoder, bagel.vit_model):
@@ -67,10 +71,10 @@ def adapt_pipeline(pipeline, *, autoencoder: dict | None = None) -> None:
             module.register_forward_pre_hook(_cast_to_weight_dtype, with_kwargs=True)
 
 
-def shrink_warmup() -> None:
-    """Workaround 4: the diffusion engine's start-up request for BAGEL asks for WARMUP_SIDE pixels, not 512 (which a
-    tiny checkpoint also refuses: it generates at most 128). Patched in the engine process, where the pipeline class
-    is resolved before the warm-up runs; idempotent."""
+def shrink_warmup(applies) -> None:
+    """Workaround 4: the diffusion engine's start-up request for BAGEL asks for WARMUP_SIDE pixels, not 512, where
+    `applies(od_config)` (the engine's diffusion config: its `model` folder) says so. Patched in the engine process,
+    where the pipeline class is resolved before the warm-up runs; idempotent (the first predicate stays)."""
     from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 
     make = DiffusionEngine._make_dummy_request
@@ -78,7 +82,7 @@ def shrink_warmup() -> None:
         return
 
     def make_dummy_request(engine, *, height: int, width: int, **kwargs):
-        if engine.od_config.model_class_name == "BagelPipeline":
+        if engine.od_config.model_class_name == "BagelPipeline" and applies(engine.od_config):
             height = width = WARMUP_SIDE
         return make(engine, height=height, width=width, **kwargs)
 

@@ -32,6 +32,7 @@ from app.rollout.vllm_omni.lora import LORA_DELIVERIES
 from app.types import GenerationRequest, LoraAdapter, Trajectory
 
 WORKER_EXTENSION = "app.rollout.vllm_omni.worker.FlowGRPOWorkerExtension"
+FP32_ATTENTION = {"default": {"backend": "TORCH_SDPA"}}  # vllm-omni's attention config for fp32 on CUDA
 
 
 def _first_result(results):
@@ -64,6 +65,12 @@ class VllmOmniEngine:
         enabled = compile is not None and compile.enabled
         if torch.cuda.is_available():
             self.engine_kwargs.setdefault("enforce_eager", not enabled)
+            chosen = self.engine_kwargs.get("diffusion_attention_backend") or os.environ.get(
+                "DIFFUSION_ATTENTION_BACKEND")
+            if str(self.dtype) == "float32" and not chosen:
+                # vllm-omni's default attention on Hopper is FlashAttention 3, which takes fp16/bf16/fp8 only: an
+                # fp32 model (the tiny checkpoints, parity runs) attends through torch's SDPA, which takes fp32
+                self.engine_kwargs.setdefault("diffusion_attention_config", FP32_ATTENTION)
         self.compiled = enabled and torch.cuda.is_available()
         self._omni = None
         self._start_lock = asyncio.Lock()

@@ -60,6 +60,10 @@ class StagedLoraPipeline:
 
         tensors, peft_config = staged
         helper = PEFTHelper.from_dict(dict(peft_config))
+        # copies: the manager folds alpha / r into each B in place (`LoRALayerWeights.optimize`), and `.to()` to the
+        # dtype and device they have already returns the staged tensor itself, which shares its memory with the
+        # caller's (the engine's process): it came back scaled, and a second load would scale it again
+        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
         model = LoRAModel.from_lora_tensors(lora_model_id=lora_request.lora_int_id, tensors=tensors,
                                             peft_helper=helper, device="cpu", dtype=dtype)
         return model, helper

@@ -18,7 +18,7 @@ vllm-omni's `num_inference_steps` counts schedule points: T steps take T + 1. Th
 input image to its posterior mean (vllm-omni would sample it from the global RNG, so the same request would see a
 different input each time). Requests without FlowGRPO arguments run the stock pipeline on the base model. BAGEL
 runs in bf16 here (vllm-omni hard-codes it), so the trainer recomputes old log-probs (`train.old_logprob:
-recompute`). The CPU workarounds live in app/platform/vllm_omni/bagel_cpu.py.
+recompute`). The workarounds for the CPU and for tiny checkpoints live in app/platform/vllm_omni/bagel_cpu.py.
 """
 
 from __future__ import annotations
@@ -42,9 +42,16 @@ from app.rollout.vllm_omni.bagel_lora import GenerationExpertLora
 from app.rollout.vllm_omni.exchange import FlowGRPOArgs, side_output
 from app.types import LoraAdapter
 
+
+def _declared_autoencoder(model_dir) -> dict | None:
+    """The smaller autoencoder a tiny checkpoint declares (None: FLUX's own, as the real BAGEL has)."""
+    return json.loads(Path(model_dir, "config.json").read_text()).get(TINY_AE_KEY)
+
+
 if not torch.cuda.is_available():
     bagel_cpu.define_silu_and_mul()  # before any BagelPipeline is built (its MLPs bind the op)
-    bagel_cpu.shrink_warmup()  # imported in the engine process before its warm-up request
+# imported in the engine process before its warm-up request: a small one on the CPU and for a tiny checkpoint
+bagel_cpu.shrink_warmup(lambda od_config: not torch.cuda.is_available() or bool(_declared_autoencoder(od_config.model)))
 
 SCHEDULE_TOLERANCE = 1e-6  # vllm-omni's σ schedule (float32) against ours
 
@@ -82,8 +89,7 @@ class FlowGRPOBagelPipeline(BagelPipeline):
 
     def __init__(self, *, od_config, prefix: str = ""):
         super().__init__(od_config=od_config, prefix=prefix)
-        config = json.loads(Path(od_config.model, "config.json").read_text())
-        bagel_cpu.adapt_pipeline(self, autoencoder=config.get(TINY_AE_KEY))  # a tiny checkpoint's own geometry
+        bagel_cpu.adapt_pipeline(self, autoencoder=_declared_autoencoder(od_config.model))  # a tiny one's geometry
         self.vae.reg.sample = False  # the posterior mean: an edit's input is the same every time (module doc)
         self.lora = GenerationExpertLora(self.language_model.model.layers)
         self._staged_loras: dict[int, tuple[dict, dict]] = {}  # filled by FlowGRPOWorkerExtension.stage_lora

@@ -1,0 +1,57 @@
+#!/bin/bash
+# Issue 51 on a lent GPU: vllm-omni's engine tests on CUDA, then each family's rollout at its real size (random
+# weights), vllm-omni beside the family's in-process engine, eager and each at its best, an adapter served. Stages run
+# through docs/perf/kernels/lease.sh (RUNS=docs/perf/vllm_omni/gpu_runs.sh), after the pinned stack was carried and
+# installed (docs/perf/vllm_omni/README.md, "A lease"):
+#   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE
+# FAMILY: qwen_image | sd3 | bagel; ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
+# (vllm-omni: its regional torch.compile; ours: compiled blocks, merged adapter where the config merges it).
+# vllm-omni's benches also score their first group with the trainer's code once the engine closed (--mismatch).
+# MODELS=/dir keeps one real-size checkpoint at a time (the machine's disk holds 64 GiB).
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+MODELS=${MODELS:-/tmp/models}
+CACHE=/tmp/compile_cache
+read -r -a EXTRA <<< "${EXTRA:-}"  # more overrides (a dry run on the CPU: a tiny checkpoint at a tiny size)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+# per family: run config, preset, bench size (groups per timed pass), the in-process engine's name
+declare -A CFG=([qwen_image]=configs/qwen_image_ocr_2gpu.yaml [sd3]=configs/sd35m_ocr.yaml [bagel]=configs/bagel_ocr.yaml)
+declare -A PRESET=([qwen_image]="qwen-image-full" [sd3]="sd35-medium" [bagel]="bagel-real-width --layers 28")
+declare -A NGROUPS=([qwen_image]=2 [sd3]=1 [bagel]=2)
+declare -A LOCAL=([qwen_image]=diffusers [sd3]=diffusers [bagel]=bagel)
+
+case "$1" in
+  setup)  # what the machine is and what runs on it
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      python -c "import torch, vllm, vllm_omni, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'cudnn', torch.backends.cudnn.version(), 'nccl', torch.cuda.nccl.version()); print('vllm', vllm.__version__,
+'vllm_omni', vllm_omni.__version__, 'diffusers', diffusers.__version__)"; df -h /tmp | tail -1; } 2>&1 | tee "$OUT/device.txt"
+    rm -rf /tmp/w ;;  # the carried wheels, installed: their disk back
+  tests)  # every family's engine tests on vllm-omni's CUDA platform (`-m gpu` selects them on a GPU machine)
+    timeout ${TESTS_TIMEOUT:-1500} python -m pytest -p no:cacheprovider -m gpu -rA --tb=short --durations=0 \
+      tests/rollout/test_vllm_omni_engine.py tests/rollout/test_sd3_engines.py tests/rollout/test_vllm_omni_bagel.py \
+      > "$OUT/gpu_tests.txt" 2>&1
+    echo "pytest exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -n 40 ;;
+  sd3diag)  # the building blocks where vllm-omni's SD3 and diffusers' differ, fp32 on the GPU
+    python docs/perf/vllm_omni/sd3_kernels.py 2>&1 | tail -n 40 | tee "$OUT/sd3_kernels.txt" ;;
+  model)  # model FAMILY: its real-size random checkpoint (the one before it removed)
+    family=$2
+    for d in "$MODELS"/*; do [ "$d" = "$MODELS/$family" ] || rm -rf "$d"; done
+    mkdir -p "$MODELS"
+    [ -f "$MODELS/$family/.built" ] || { python -m jobs.make_tiny_models --preset ${PRESET[$family]} \
+      --out "$MODELS/$family" 2>&1 | tail -1 && touch "$MODELS/$family/.built"; }
+    du -sh "$MODELS/$family"; df -h /tmp | tail -1 ;;
+  bench)  # bench FAMILY,ENGINE,MODE: one line of jobs.bench_rollout
+    IFS=, read -r family engine mode <<< "$2"
+    name=${family}_${engine}_${mode}
+    [ $engine = local ] && engine=${LOCAL[$family]}
+    args=(--adapter); [ $engine = vllm_omni ] && args+=(--mismatch rollout.merge_lora=false)  # its LoRA layers
+    compiled=false; [ $mode = best ] && compiled=true
+    timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_rollout --config ${CFG[$family]} --groups ${NGROUPS[$family]} \
+      --repeats 2 --batched-only "${args[@]}" model.path="$MODELS/$family" rollout.engine=$engine \
+      model.compile.enabled=$compiled model.compile.cache_dir=$CACHE "${EXTRA[@]}" 2>"$OUT/$name.err" | tail -1 \
+      | sed "s/^{/{\"run\": \"$name\", /" | tee -a "$OUT/bench_rollout.jsonl"
+    tail -n 3 "$OUT/$name.err" ;;
+  *) echo "unknown stage $1" >&2; exit 2 ;;
+esac
