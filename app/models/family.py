@@ -135,6 +135,9 @@ class DiffusersFamily(FamilyBase):
         return importlib.import_module(f"app.models.{self.name}.{module}")
 
     def load_denoiser(self, path, *, dtype, device):
+        from app.models.precision import exact_fp32
+
+        exact_fp32(dtype)
         # on a GPU the weights go straight there (a 20B model never sits in the host's memory)
         placement = {"device_map": {"": device}} if device.type == "cuda" else {}
         return self._diffusers(self.transformer_class).from_pretrained(Path(path) / "transformer", dtype=dtype,

@@ -33,6 +33,7 @@ from app.models.compile import apply_compile, cache_counts, compile_counts
 from app.models.family import get_family
 from app.models.lora import ADAPTER_NAME, LoraShape, add_zero_lora, attach_lora, copy_into_lora, transformer_key
 from app.models.lora_merge import KEEP_ON, MergedLora
+from app.models.precision import exact_fp32
 from app.rollout.seeding import draw_seed
 from app.types import GenerationRequest, LoraAdapter, Trajectory
 
@@ -60,6 +61,7 @@ class LocalEngine:
         self._merged: MergedLora | None = None  # the folded adapter (merge_lora on)
         self.compiled = False
         self.dtype = getattr(torch, dtype)
+        exact_fp32(self.dtype)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.loaded = False
         self._lock = threading.Lock()  # one group at a time on the shared modules

@@ -15,6 +15,8 @@ from app.types import GenerationRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]  # vllm-omni's engine in its own process
 PARITY_TOL = 1e-5
+# the trainer runs where the engines run (bit for bit needs the same kernels): the CPU here, CUDA on a GPU machine
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def request(**changes) -> GenerationRequest:
@@ -34,7 +36,7 @@ def sd3_vllm_engine(tiny_sd3_dir, vllm_engines):
 
 @pytest.fixture(scope="module")
 def trainer_transformer(tiny_sd3_dir):
-    return FAMILY.load_denoiser(tiny_sd3_dir, dtype=torch.float32, device=torch.device("cpu")).eval()
+    return FAMILY.load_denoiser(tiny_sd3_dir, dtype=torch.float32, device=DEVICE).eval()
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def base_model_after(sd3_vllm_engine, sd3_engine, aio):
 def scored(transformer, traj) -> torch.Tensor:
     with torch.no_grad():
         steps = FAMILY.score_trajectory(transformer, traj, range(traj.num_inference_steps), range(traj.group_size))
-    return torch.stack([s.log_prob for s in steps], dim=1)  # [n, T]
+    return torch.stack([s.log_prob for s in steps], dim=1).cpu()  # [n, T]
 
 
 def test_a_trajectory_records_every_step_and_the_conditioning(sd3_vllm_engine, aio):
@@ -94,7 +96,7 @@ def test_the_trainer_scores_what_either_engine_sampled(sd3_vllm_engine, sd3_engi
                                                        sde_type):
     req = request(guidance_scale=cfg, sde_type=sde_type)
     exact = aio(sd3_engine.generate(req))
-    assert torch.equal(scored(trainer_transformer, exact), exact.log_probs)  # fp32 CPU: bit for bit
+    assert torch.equal(scored(trainer_transformer, exact), exact.log_probs)  # fp32, one device: bit for bit
     served = aio(sd3_vllm_engine.generate(req))
     assert (scored(trainer_transformer, served) - served.log_probs).abs().max() <= PARITY_TOL
     # the engines agree with each other; images to the last uint8 step
@@ -128,7 +130,7 @@ def test_a_lora_in_memory_changes_the_images_and_keeps_parity(sd3_vllm_engine, s
     assert served.lora_version == exact.lora_version == 2
     assert (exact.latents - base.latents).abs().max() > 1e-2 and not torch.equal(exact.images, base.images)
     assert (served.latents - exact.latents).abs().max() <= 1e-5
-    tuned = FAMILY.load_denoiser(tiny_sd3_dir, dtype=torch.float32, device=torch.device("cpu")).eval()
+    tuned = FAMILY.load_denoiser(tiny_sd3_dir, dtype=torch.float32, device=DEVICE).eval()
     attach_lora(tuned, lora_v2)
     assert torch.equal(scored(tuned, exact), exact.log_probs)
     assert (scored(tuned, served) - served.log_probs).abs().max() <= PARITY_TOL

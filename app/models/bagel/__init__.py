@@ -28,6 +28,9 @@ GENERATION_TARGETS = ["q_proj_moe_gen", "k_proj_moe_gen", "v_proj_moe_gen", "o_p
 class Bagel(FamilyBase):
     def load_denoiser(self, path, *, dtype, device):
         from app.models.bagel.model import BagelMoT
+        from app.models.precision import exact_fp32
+
+        exact_fp32(dtype)
 
         return BagelMoT.from_checkpoint(path, dtype=dtype, device=device)
 

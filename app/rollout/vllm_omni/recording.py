@@ -10,6 +10,7 @@ import torch
 
 from app.algo.sampling import TrajectoryRecorder
 from app.algo.sde_window import noise_levels
+from app.models.precision import exact_fp32
 from app.rollout.seeding import sample_generators
 from app.rollout.vllm_omni.exchange import FlowGRPOArgs
 
@@ -38,6 +39,10 @@ class RecordingPipeline:
 
     recording_class = Recording
     _recording: Recording | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        exact_fp32(self.od_config.dtype)  # in vllm-omni's worker process, where the transformer runs
 
     def recording_for(self, req) -> Recording | None:
         """The recording of a batch of FlowGRPO requests; None for plain requests (the stock pipeline)."""

@@ -20,6 +20,7 @@ declare -A CFG=([qwen_image]=configs/qwen_image_ocr_2gpu.yaml [sd3]=configs/sd35
 declare -A PRESET=([qwen_image]="qwen-image-full" [sd3]="sd35-medium" [bagel]="bagel-real-width --layers 28")
 declare -A NGROUPS=([qwen_image]=2 [sd3]=1 [bagel]=2)
 declare -A LOCAL=([qwen_image]=diffusers [sd3]=diffusers [bagel]=bagel)
+declare -A SET=([qwen_image]="" [sd3]="data.prompts=ocr_tiny" [bagel]="")  # what the config leaves to the user
 
 case "$1" in
   setup)  # what the machine is and what runs on it
@@ -50,7 +51,7 @@ case "$1" in
     compiled=false; [ $mode = best ] && compiled=true
     timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_rollout --config ${CFG[$family]} --groups ${NGROUPS[$family]} \
       --repeats 2 --batched-only "${args[@]}" model.path="$MODELS/$family" rollout.engine=$engine \
-      model.compile.enabled=$compiled model.compile.cache_dir=$CACHE "${EXTRA[@]}" 2>"$OUT/$name.err" | tail -1 \
+      model.compile.enabled=$compiled model.compile.cache_dir=$CACHE ${SET[$family]} "${EXTRA[@]}" 2>"$OUT/$name.err" | tail -1 \
       | sed "s/^{/{\"run\": \"$name\", /" | tee -a "$OUT/bench_rollout.jsonl"
     tail -n 3 "$OUT/$name.err" ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
