@@ -186,7 +186,7 @@ class RolloutConfig:
     sde_type: SdeType = SdeType.sde
     # SDE noise on a window of the steps only (Flow-GRPO-Fast, MixGRPO); off by default
     sde_window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
-    # "vllm_omni" (the serving engine) or "diffusers" (the reference engine: where vllm cannot be installed)
+    # "vllm_omni" (the serving engine) or the family's in-process engine ("diffusers", "bagel": the reference)
     engine: Engine = Engine.vllm_omni
     # True: one request per group with num_outputs_per_prompt = n; False: n requests of one image (comparison)
     batched_groups: bool = True

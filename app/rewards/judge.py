@@ -9,9 +9,9 @@
   answers' share, not P(Yes) alone, so that mass on other first tokens ("yes", "The") does not lower the score.
 
 The judge runs on transformers in the reward replica's process, on its GPU in bf16 when it holds one, else on CPUs
-in fp32, `batch_size` images a forward (left-padded: a score does not depend on its batch). vllm's engine would
-serve a large judge faster on GPUs; it is not used because it cannot be installed beside our torch on the GPU
-machines, and a reward replica must also run on the CPU machines where vllm serves only the diffusion model.
+in fp32, `batch_size` images a forward (left-padded: a score does not depend on its batch). vllm's engine might
+serve a large judge faster on GPUs (not measured); it is not used because a reward replica must also run on the CPU
+machines, where vllm serves only the diffusion model.
 """
 
 from __future__ import annotations

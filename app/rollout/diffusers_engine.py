@@ -1,5 +1,5 @@
 """The reference rollout engine on plain diffusers components: the parity oracle for the vllm-omni engine, and the
-engine where vllm cannot be installed (the lent GPU machine).
+engine for clusters without vllm-omni (with `merge_lora`, the faster rollout where an adapter is served).
 
 Same protocol, same sample loop (`app.algo.sampling`), same per-sample noise (app/rollout/seeding.py) and the
 same Qwen-Image operations (app/models/qwen_image/model.py) as the vllm-omni pipeline. LoRA: a peft adapter on the

@@ -1,5 +1,5 @@
-"""Stable Diffusion 3 on plain diffusers: the parity oracle for vllm-omni's SD3 pipeline, and the engine where vllm
-cannot be installed (the lent GPU machine). `rollout.engine: diffusers` with `model.family: sd3`.
+"""Stable Diffusion 3 on plain diffusers: the parity oracle for vllm-omni's SD3 pipeline, and the engine for clusters
+without vllm-omni. `rollout.engine: diffusers` with `model.family: sd3`.
 
 The Qwen-Image engine's machinery (app/rollout/diffusers_engine.py: loading the family's pipeline, text-only
 requests, the per-sample mode, the LoRA as a peft adapter of the transformer) with SD3's components:
