@@ -198,8 +198,9 @@ class RolloutConfig:
     # `ray start --resources='{"rollout_node": 8}'` and `{rollout_node: 1}` here keep the replicas on those nodes
     replica_resources: dict[str, float] = field(default_factory=dict)
     # fold the published LoRA into the replica's weights (W0 + α/r·B·A, once per version, from a kept copy of W0):
-    # the generation runs no LoRA matmuls. In-process engines only (diffusers, bagel); the merged forward rounds
-    # differently from the trainer's in bf16, so old log-probs come from the trainer (train.old_logprob)
+    # the generation runs no LoRA matmuls. The in-process engines, and vllm-omni for the families whose adapters it
+    # serves through vLLM's LoRA layers (not BAGEL's); the merged forward rounds differently from the trainer's in
+    # bf16, so old log-probs come from the trainer (train.old_logprob)
     merge_lora: bool = False
     # where the copy of the adapted base weights lives: "device" (a second copy in GPU memory; the fastest swap),
     # "host" (pinned host memory: no GPU memory, one host-to-GPU copy of those weights per version), or "auto" (the
@@ -537,9 +538,14 @@ def _check_app(config: AppConfig | RunConfig) -> None:
                  f"keys and values): use {CUDA_GRAPH_MODES[mode]}")
     _require(rollout.engine in engines,
              f"rollout.engine={rollout.engine} cannot run model.family={model.family}: use one of {list(engines)}")
-    _require(not rollout.merge_lora or rollout.engine != Engine.vllm_omni,
-             "rollout.merge_lora: the vllm_omni engine serves adapters through vLLM's LoRA layers; folding the "
-             "adapter into the weights is for the in-process engines (rollout.engine=diffusers, or bagel for BAGEL)")
+    _require(not rollout.merge_lora or rollout.engine != Engine.vllm_omni
+             or get_family(model.family).vllm_omni.lora_delivery == "vllm_manager",
+             f"rollout.merge_lora: vllm-omni's {model.family} pipeline applies its adapter with its own hooks and "
+             "cannot fold it in; use rollout.merge_lora=false, or the in-process engine (rollout.engine=bagel)")
+    _require(not rollout.merge_lora or rollout.engine != Engine.vllm_omni
+             or rollout.merged_base_on != MergedBaseOn.device,
+             "rollout.merged_base_on=device: the vllm_omni engine keeps the adapted base weights in host memory "
+             "(read from the checkpoint); use auto or host")
     window = rollout.sde_window
     _require(0 <= window.size <= rollout.num_inference_steps,
              f"rollout.sde_window.size={window.size} must be in [0, rollout.num_inference_steps="

@@ -68,7 +68,10 @@ async def _timed(label: str, run, requests, repeats: int) -> tuple[float, float,
 def _random_adapter(engine, family, model, version: int) -> LoraAdapter:
     """A random adapter of the run's LoRA shape for `engine`'s module (the module itself left as it is), or for the
     checkpoint's layers where the engine's model lives in another process."""
-    module = engine.trained_module() if hasattr(engine, "trained_module") else family.denoiser_skeleton(model.path)
+    if hasattr(engine, "trained_module"):
+        module = engine.trained_module()
+    else:  # the layers' shapes, in the dtype the run's trainer publishes in
+        module = family.denoiser_skeleton(model.path).to(getattr(torch, str(model.dtype)))
     try:
         return random_lora(module, version=version, rank=model.lora_rank, target_modules=model.lora_targets,
                            seed=version, scale=0.1, alpha=model.lora_alpha)

@@ -75,9 +75,15 @@ def test_cross_field_checks_say_what_to_change(override, match):
         load(CONFIGS / "tiny_cpu.yaml", overrides)
 
 
-def test_merging_the_adapter_needs_an_in_process_engine_and_the_trainers_old_log_probs():
-    with pytest.raises(ConfigError, match="rollout.merge_lora: the vllm_omni engine serves adapters"):
-        load(CONFIGS / "tiny_cpu.yaml", ["rollout.merge_lora=true", "train.old_logprob=trainer"])
+def test_merging_the_adapter_needs_an_engine_that_folds_it_and_the_trainers_old_log_probs():
+    with pytest.raises(ConfigError, match="rollout.merge_lora: vllm-omni's bagel pipeline applies its adapter with"):
+        load(CONFIGS / "tiny_bagel_cpu.yaml", ["rollout.engine=vllm_omni", "rollout.merge_lora=true",
+                                               "train.old_logprob=trainer"])
+    with pytest.raises(ConfigError, match="merged_base_on=device: the vllm_omni engine keeps"):
+        load(CONFIGS / "tiny_cpu.yaml", ["rollout.merge_lora=true", "train.old_logprob=trainer",
+                                         "rollout.merged_base_on=device"])
+    vllm = load(CONFIGS / "tiny_cpu.yaml", ["rollout.merge_lora=true", "train.old_logprob=trainer"])
+    assert vllm.rollout.engine == "vllm_omni" and vllm.rollout.merge_lora
     with pytest.raises(ConfigError, match="set train.old_logprob=trainer"):
         load(CONFIGS / "tiny_cpu.yaml", ["rollout.merge_lora=true", "rollout.engine=diffusers",
                                          "train.old_logprob=rollout"])

@@ -6,9 +6,11 @@ import dataclasses
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
+from merging import assert_merged_is_the_adapter
 
 from app.models.lora import attach_lora, random_lora
 from app.models.qwen_image import model as qwen_image
+from app.rollout.vllm_omni.engine import WorkerError
 from app.types import GenerationRequest, LoraAdapter
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -184,6 +186,27 @@ def test_an_adapter_scaled_by_alpha_over_rank_keeps_parity_group_after_group(vll
     assert all(torch.equal(adapter.tensors[k], v) for k, v in staged.items())
 
 
+def test_a_merging_engine_samples_what_the_adapter_samples(vllm_engine, aio, lora_v3, base_model_after):
+    """`rollout.merge_lora` on vllm-omni: the adapter folded into the weights through the pipeline's own loader (into
+    the fused q/k/v matrices too) samples what vLLM's LoRA layers sample, to fp32 rounding, and the base model comes
+    back bit for bit. One engine in a process: the same engine serves the adapter both ways."""
+    groups = {"base": aio(vllm_engine.generate(request()))}
+    aio(vllm_engine.load_lora(lora_v3))
+    groups["unmerged"] = aio(vllm_engine.generate(request()))
+    aio(vllm_engine.load_lora(None))
+    vllm_engine.merge_lora = True
+    try:
+        assert aio(vllm_engine.load_lora(lora_v3)) == 3 and aio(vllm_engine.health())["lora_merged"]
+        groups["merged"] = aio(vllm_engine.generate(request()))
+        with pytest.raises(NotImplementedError, match="merge_lora=false"):
+            aio(vllm_engine.update_weights({}))
+        aio(vllm_engine.load_lora(None))
+        groups["again"] = aio(vllm_engine.generate(request()))
+    finally:
+        vllm_engine.merge_lora = False
+    assert_merged_is_the_adapter(groups, version=3)
+
+
 def test_zero_adapter_reproduces_the_base_model_exactly(vllm_engine, aio, lora_v3, base_model_after):
     base = aio(vllm_engine.generate(request()))
     zero = LoraAdapter({k: torch.zeros_like(v) for k, v in lora_v3.tensors.items()}, rank=4, alpha=4,
@@ -194,17 +217,27 @@ def test_zero_adapter_reproduces_the_base_model_exactly(vllm_engine, aio, lora_v
     assert torch.equal(out.latents, base.latents) and torch.equal(out.images, base.images)
 
 
-def test_full_weight_update_and_restore(vllm_engine, aio, trainer_transformer):
+def test_full_weight_update_and_restore(vllm_engine, aio, trainer_transformer, lora_v3, base_model_after):
+    aio(vllm_engine.load_lora(lora_v3))  # vLLM's LoRA layers now wrap the adapted layers (to_q/k/v, ...)
+    aio(vllm_engine.load_lora(None))
     base = aio(vllm_engine.generate(request()))
     state = {k: v.clone() for k, v in trainer_transformer.state_dict().items()}
     g = torch.Generator().manual_seed(0)
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
-    assert aio(vllm_engine.update_weights(perturbed)) > 0
+    assert aio(vllm_engine.update_weights(perturbed)) == len(state)
     changed = aio(vllm_engine.generate(request()))
     aio(vllm_engine.update_weights(state))
     restored = aio(vllm_engine.generate(request()))
     assert not torch.equal(changed.latents, base.latents)
     assert torch.equal(restored.latents, base.latents)
+    # only the wrapped layers: they were skipped silently while wrapped
+    wrapped = {k: v for k, v in perturbed.items() if ".attn.to_" in k and k.endswith(".weight")}
+    aio(vllm_engine.update_weights(wrapped))
+    assert not torch.equal(aio(vllm_engine.generate(request())).latents, base.latents)
+    aio(vllm_engine.update_weights({k: state[k] for k in wrapped}))
+    with pytest.raises(WorkerError, match="fit no parameter"):
+        aio(vllm_engine.update_weights({"transformer_blocks.0.attn.no_such_layer.weight": torch.zeros(2, 2)}))
+    assert torch.equal(aio(vllm_engine.generate(request())).latents, base.latents)
 
 
 def test_invalid_requests_never_reach_the_engine(vllm_engine, aio):

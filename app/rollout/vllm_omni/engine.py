@@ -16,6 +16,7 @@ request by the version in its FlowGRPO arguments. What engine and pipeline excha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -26,6 +27,7 @@ import torch
 
 from app.models.family import get_family
 from app.models.lora import PIPELINE_PREFIX, transformer_key
+from app.models.lora_merge import adapter_layers
 from app.rollout.seeding import draw_seed
 from app.rollout.vllm_omni.exchange import FlowGRPOArgs
 from app.rollout.vllm_omni.lora import LORA_DELIVERIES
@@ -35,11 +37,53 @@ WORKER_EXTENSION = "app.rollout.vllm_omni.worker.FlowGRPOWorkerExtension"
 FP32_ATTENTION = {"default": {"backend": "TORCH_SDPA"}}  # vllm-omni's attention config for fp32 on CUDA
 
 
+class WorkerError(RuntimeError):
+    """A worker method reached through `collective_rpc` raised (vllm-omni answers with the error's text)."""
+
+
 def _first_result(results):
-    """collective_rpc answers per stage and per worker ([[value]]); one stage, one worker here."""
+    """collective_rpc answers per stage and per worker ([[value]]); one stage, one worker here. A method that raised
+    in the worker comes back as {"supported": False, "error": text}: raised here, with that text."""
     while isinstance(results, (list, tuple)):
         results = results[0]
+    if isinstance(results, dict) and results.get("supported") is False:
+        raise WorkerError(f"vllm-omni's worker: {results.get('error')}")
     return results
+
+
+class _SwapGate:
+    """Groups in flight against a swap of the weights: a merging engine changes them only between groups (a swap
+    waits for the groups running, and groups arriving meanwhile wait for the swap)."""
+
+    def __init__(self):
+        self._changed = asyncio.Condition()
+        self._running = 0
+        self._swapping = False
+
+    @contextlib.asynccontextmanager
+    async def group(self):
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._swapping)
+            self._running += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._running -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def swap(self):
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            await self._changed.wait_for(lambda: self._running == 0)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._swapping = False
+                self._changed.notify_all()
 
 
 def _images_uint8(images) -> torch.Tensor:
@@ -51,9 +95,11 @@ class VllmOmniEngine:
 
     def __init__(self, model_path: str | os.PathLike, *, family: str = "qwen_image", dtype: str = "float32",
                  batched_groups: bool = True, max_num_seqs: int = 1, engine_kwargs: dict | None = None,
-                 compile=None):
+                 compile=None, merge_lora: bool = False):
         """compile: a `model.compile` section. On CUDA vllm-omni compiles the transformer's blocks itself unless
-        told `enforce_eager`, which follows the section; its CPU platform runs eager either way."""
+        told `enforce_eager`, which follows the section; its CPU platform runs eager either way. merge_lora: fold
+        each published adapter into the weights (merge.py) instead of serving it through vLLM's LoRA layers; the
+        weights then change between groups, never during one."""
         self.model_path = str(Path(model_path).resolve())
         self.family = family
         self.face = get_family(family)  # looked up once: every request asks it for its guidance fields
@@ -61,6 +107,11 @@ class VllmOmniEngine:
         self.dtype = self.recipe.dtype or dtype  # a dtype vllm-omni hard-codes for the family wins
         self.batched_groups = batched_groups
         self.max_num_seqs = max_num_seqs
+        if merge_lora and self.recipe.lora_delivery != "vllm_manager":
+            raise ValueError(f"merge_lora: vllm-omni's {family} pipeline applies its adapter with its own hooks; "
+                             "serve it unmerged (rollout.merge_lora=false)")
+        self.merge_lora = merge_lora
+        self._swaps = _SwapGate()
         self.engine_kwargs = dict(engine_kwargs or {})
         enabled = compile is not None and compile.enabled
         if torch.cuda.is_available():
@@ -84,7 +135,12 @@ class VllmOmniEngine:
     def from_config(cls, model, rollout) -> VllmOmniEngine:
         """The engine of a run config's model and rollout sections."""
         return cls(model.path, family=model.family, dtype=model.dtype, batched_groups=rollout.batched_groups,
-                   max_num_seqs=rollout.max_num_seqs, compile=model.compile)
+                   max_num_seqs=rollout.max_num_seqs, compile=model.compile, merge_lora=rollout.merge_lora)
+
+    @property
+    def merged_base_on(self) -> str | None:
+        """Where a merging engine keeps the adapted layers' base weights (as the in-process engines say it)."""
+        return "host" if self.merge_lora else None
 
     @property
     def lora_version(self) -> int:
@@ -113,7 +169,7 @@ class VllmOmniEngine:
                                 sde_type=request.sde_type, sde_window=request.sde_window, lora_version=version)
         guidance, extra = self.face.vllm_omni_guidance(request)
         lora = {}
-        if self.recipe.lora_delivery == "vllm_manager" and version > 0:
+        if self.recipe.lora_delivery == "vllm_manager" and version > 0 and not self.merge_lora:
             # the id is the version: staged in memory by the worker extension, never read from disk
             lora = {"lora_request": LoRARequest(f"flowgrpo-v{version}", version, f"/in-memory/flowgrpo/v{version}"),
                     "lora_scale": 1.0}
@@ -143,16 +199,18 @@ class VllmOmniEngine:
             raise TypeError(f"expected a GenerationRequest, got {type(request).__name__}")
         await self.start()
         seed = request.seed if request.seed is not None else draw_seed()
-        version = self._lora_version  # one adapter for the whole group, recorded with it
         started = time.perf_counter()
         try:
-            if self.batched_groups:
-                params = self._sampling_params(request, seed, request.n, request.sample_offset, version)
-                outputs = [await self._run(request, params)]
-            else:
-                outputs = await asyncio.gather(*[
-                    self._run(request, self._sampling_params(request, seed, 1, request.sample_offset + j, version))
-                    for j in range(request.n)])
+            async with self._swaps.group() if self.merge_lora else contextlib.nullcontext():
+                version = self._lora_version  # one adapter for the whole group, recorded with it
+                if self.batched_groups:
+                    params = self._sampling_params(request, seed, request.n, request.sample_offset, version)
+                    outputs = [await self._run(request, params)]
+                else:
+                    outputs = await asyncio.gather(*[
+                        self._run(request, self._sampling_params(request, seed, 1, request.sample_offset + j,
+                                                                 version))
+                        for j in range(request.n)])
         except Exception:
             self._errors += 1
             raise
@@ -184,6 +242,8 @@ class VllmOmniEngine:
     async def load_lora(self, adapter: LoraAdapter | None) -> int:
         await self.start()
         async with self._lora_lock:
+            if self.merge_lora:
+                return await self._merge(adapter)
             if adapter is None:
                 self._lora_version = 0
                 return 0
@@ -200,7 +260,27 @@ class VllmOmniEngine:
             self._lora_version = adapter.version
             return adapter.version
 
+    async def _merge(self, adapter: LoraAdapter | None) -> int:
+        """load_lora of a merging engine: the adapter folded into the weights once the groups in flight are done
+        (new ones wait), or the base model again (None)."""
+        if adapter is not None and adapter.version == self._lora_version:
+            return adapter.version
+        if adapter is not None and adapter.version < self._lora_version:
+            raise ValueError(f"adapter version {adapter.version} is older than the served version "
+                             f"{self._lora_version}: publish a newer one, or None to reset to the base model")
+        layers = adapter_layers(adapter) if adapter is not None else {}
+        scale = adapter.alpha / adapter.rank if adapter is not None else 0.0
+        async with self._swaps.swap():
+            merged = _first_result(await self._omni.collective_rpc("merge_lora", args=(layers, scale)))
+            if merged != len(layers):
+                raise RuntimeError(f"the worker folded {merged!r} of the adapter's {len(layers)} layers")
+            self._lora_version = adapter.version if adapter is not None else 0
+        return self._lora_version
+
     async def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
+        if self.merge_lora:
+            raise NotImplementedError("a merging vllm-omni engine serves LoRA adapters (folded into the weights "
+                                      "from the checkpoint's); full-weight updates need rollout.merge_lora=false")
         if not self.recipe.weight_updates:
             raise NotImplementedError(f"full-weight updates of vllm-omni's {self.family} are not served: train a "
                                       "LoRA (published with load_lora)")
@@ -214,7 +294,8 @@ class VllmOmniEngine:
 
     async def health(self) -> dict:
         return {"kind": self.kind, "family": self.family, "model": self.model_path, "started": self._omni is not None,
-                "lora_version": self._lora_version, "served": self._served, "errors": self._errors,
+                "lora_version": self._lora_version, "lora_merged": self.merge_lora, "served": self._served,
+                "errors": self._errors,
                 "batched_groups": self.batched_groups}
 
     async def close(self) -> None:

@@ -6,12 +6,35 @@ given, so this one subclasses it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
 
+from app.rollout.vllm_omni.merge import CheckpointMerge
+
 STAGED_VERSIONS_KEPT = 2  # a request already scheduled with the previous adapter can still (re)load it
+
+
+@contextlib.contextmanager
+def base_layers(module: torch.nn.Module):
+    """vLLM's LoRA layers (installed at the first adapter served) wrap each adapted layer, whose weight is then named
+    `<layer>.base_layer.weight`; vllm-omni's loader looks parameters up by the checkpoint's names and skipped those
+    silently. While this is open the wrappers step aside: their base layers (the same parameters) are in place."""
+    swapped = []
+    for name, child in list(module.named_modules()):
+        base = getattr(child, "base_layer", None)
+        if isinstance(base, torch.nn.Module) and type(child).__name__.endswith("WithLoRA"):
+            parent_name, _, attr = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attr, base)
+            swapped.append((parent, attr, child))
+    try:
+        yield
+    finally:
+        for parent, attr, child in swapped:
+            setattr(parent, attr, child)
 
 
 class FlowGRPOWorkerExtension(CustomPipelineWorkerExtension):
@@ -36,9 +59,31 @@ class FlowGRPOWorkerExtension(CustomPipelineWorkerExtension):
             self.lora_manager.remove_adapter(lora_int_id)
         return len(tensors)
 
+    def merge_lora(self, layers: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> int:
+        """Fold an adapter {layer: (A, B)} at `scale` into the transformer's weights ({}: the base model again);
+        returns how many layers hold it (merge.py)."""
+        pipe = self._pipeline
+        merge = getattr(pipe, "_flowgrpo_merge", None)
+        if merge is None:
+            weight = next(pipe.transformer.parameters())
+            merge = pipe._flowgrpo_merge = CheckpointMerge(self.load_weights, pipe.od_config.model,
+                                                           dtype=weight.dtype, device=weight.device)
+        return merge.apply(layers, scale)
+
+    def load_weights(self, named_tensors) -> set[str]:
+        """The pipeline's weight loader on (pipeline name, tensor) pairs, vLLM's LoRA layers stepped aside."""
+        pipe = self._pipeline
+        with base_layers(pipe.transformer):
+            return pipe.load_weights(named_tensors)
+
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Full weight update from diffusers-named tensors (`transformer.<name>`); returns how many loaded."""
-        return len(self._pipeline.load_weights(iter(named_tensors)))
+        """Full weight update from diffusers-named tensors (`transformer.<name>`); returns how many loaded. A
+        tensor no parameter took is an error (vllm-omni's loader skips unknown names silently)."""
+        loaded = self.load_weights(iter(named_tensors))
+        lost = [name for name, _ in named_tensors if name not in loaded]
+        if lost:
+            raise ValueError(f"{len(lost)} weights fit no parameter of vllm-omni's transformer, e.g. {lost[0]!r}")
+        return len(named_tensors)
 
     def transformer_checksum(self) -> float:
         """Sum of the transformer's parameters in float64 (tests: a weight update took effect)."""

@@ -5,7 +5,8 @@
 # installed (docs/perf/vllm_omni/README.md, "A lease"):
 #   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE
 # FAMILY: qwen_image | sd3 | bagel; ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
-# (vllm-omni: its regional torch.compile; ours: compiled blocks, merged adapter where the config merges it).
+# (vllm-omni: its regional torch.compile, the adapter in vLLM's LoRA layers; ours: compiled blocks, the adapter
+# folded in where the config folds it) | merged (vllm-omni compiled with the adapter folded in: rollout.merge_lora).
 # vllm-omni's benches also score their first group with the trainer's code once the engine closed (--mismatch).
 # MODELS=/dir keeps one real-size checkpoint at a time (the machine's disk holds 64 GiB).
 set -uo pipefail
@@ -47,8 +48,9 @@ case "$1" in
     IFS=, read -r family engine mode <<< "$2"
     name=${family}_${engine}_${mode}
     [ $engine = local ] && engine=${LOCAL[$family]}
-    args=(--adapter); [ $engine = vllm_omni ] && args+=(--mismatch rollout.merge_lora=false)  # its LoRA layers
-    compiled=false; [ $mode = best ] && compiled=true
+    merge=false; [ $mode = merged ] && merge=true
+    args=(--adapter); [ $engine = vllm_omni ] && args+=(--mismatch rollout.merge_lora=$merge)
+    compiled=false; [ $mode != eager ] && compiled=true
     timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_rollout --config ${CFG[$family]} --groups ${NGROUPS[$family]} \
       --repeats 2 --batched-only "${args[@]}" model.path="$MODELS/$family" rollout.engine=$engine \
       model.compile.enabled=$compiled model.compile.cache_dir=$CACHE ${SET[$family]} "${EXTRA[@]}" 2>"$OUT/$name.err" | tail -1 \
