@@ -142,8 +142,9 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
             phases[phase] = phases.get(phase, 0.0) + seconds
     swap = load = None
     if adapter:  # the next version, as a run publishes it; a replica's next group pays for the swap
+        second = _random_adapter(engine, family, config.model, 2)
         began = time.perf_counter()
-        await engine.load_lora(_random_adapter(engine, family, config.model, 2))
+        await engine.load_lora(second)
         load = time.perf_counter() - began
         swap = (await engine.generate(requests[0])).producer.get("adapter_swap_s")
     frames = compile_counts()["frames"] - frames  # the timed passes and a new version: 0 in steady state
