@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 
 from app.config import ModelConfig, RolloutConfig
 from app.faults import crash_point, crash_point_in_request
@@ -36,6 +37,7 @@ class RolloutReplica:
     def __init__(self, model: ModelConfig, rollout: RolloutConfig, *, adapters=None, torch_threads: int | None = None):
         """The run config's sections, whole; adapters: handle of the `AdapterStore` deployment (None outside
         Serve: adapters only by `load_lora`)."""
+        self.started = [time.time(), None]  # constructed, engine serving (app/startup.py)
         if torch_threads:
             import torch
 
@@ -50,6 +52,7 @@ class RolloutReplica:
     async def start(self) -> None:
         await self.engine.start()
         await self.sync_adapter()  # a replica started in place of a dead one serves the published adapter at once
+        self.started[1] = time.time()
 
     async def generate(self, request: GenerationRequest) -> Trajectory:
         if (problem := self.prompt_problem(request)) is not None:
@@ -66,6 +69,8 @@ class RolloutReplica:
         await crash_point_in_request("rollout.seed", request.seed)  # the same, for requests of no group (evals)
         traj = await self.engine.generate(request)
         traj.producer["replica"] = self.replica_id
+        if self.started[1] is not None:
+            traj.producer["replica_start"] = tuple(self.started)
         return traj
 
     async def sync_adapter(self) -> int:

@@ -20,7 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from app.config import ConfigError, RunConfig, load, to_yaml
+from app.startup import startup_line
 
 CHECKPOINTS = "checkpoints"  # Ray Train run name: checkpoints land in <logging.dir>/checkpoints/checkpoint_step_*
 
@@ -207,7 +210,7 @@ def abort_training(message: str) -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters):
+def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters, startup: dict[str, float] | None = None):
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -220,7 +223,7 @@ def fit(config: RunConfig, run_dir: Path, rollout, reward, adapters):
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": config, "run_dir": str(run_dir), "rollout": rollout, "reward": reward,
-                           "adapters": adapters},
+                           "adapters": adapters, "startup": {**(startup or {}), "fit_called": time.time()}},
         scaling_config=ray.train.ScalingConfig(num_workers=cl.num_workers, use_gpu=cl.use_gpu,
                                                resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if cl.use_gpu else "gloo"),
@@ -278,6 +281,9 @@ def summarize(run_dir: Path, result, dashboard_url: str | None, family: str) -> 
         first, last = history[0]["reward/mean"], history[-1]["reward/mean"]
         lines += [f"reward:        {first:+.4f} (step {history[0]['step']}) -> {last:+.4f} "
                   f"(step {history[-1]['step']})", f"reward curve:  {curve}"]
+        started = [line for row in history if (line := startup_line(row))]
+        if started:
+            lines.append(started[-1])  # this launch's (a resumed run's history holds the earlier ones too)
     from app.eval.report import EvalLog
 
     evaluations = [e for e in EvalLog(run_dir / "eval").history() if "eval/reward/mean" in e]
@@ -311,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
+    startup = {"launched": psutil.Process().create_time()}  # where the start goes (app/startup.py)
     context = start_ray(config)
+    startup["ray_ready"] = time.time()
     import ray
 
     shortfall = resource_shortfall(config, ray.cluster_resources())
@@ -335,9 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # the replicas and the training workers load at the same time; the first rollout request waits for both
         handles = deploy_serve_app(config, wait=False)
+        startup["serve_registered"] = time.time()
         watch.start()
         wait_for_replica_gpus(config)
-        result = fit(config, run_dir, *handles)
+        result = fit(config, run_dir, *handles, startup=startup)
     except BaseException:  # Ray Train's abort, or the KeyboardInterrupt before `fit` listened for SIGINT
         if watch.failure is None:
             raise

@@ -279,5 +279,5 @@ def tiny_run(tmp_path_factory, job_cluster) -> Path:
     run_dir = tmp_path_factory.mktemp("tiny") / "run"
     done = run_job(f"logging.dir={run_dir}", "--keep-serving", cluster=job_cluster)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "reward curve:" in done.stdout and "LoRA adapter:" in done.stdout
+    assert "reward curve:" in done.stdout and "LoRA adapter:" in done.stdout and "start-up:" in done.stdout
     return run_dir

@@ -87,6 +87,18 @@ def test_tiny_run_is_on_policy_every_step(tiny_run):
     assert any(r["actor/grad_norm"] > 0 for r in records)
 
 
+def test_tiny_run_says_where_its_start_went(tiny_run):
+    """The first step logs the start-up breakdown (app/startup.py): every phase measured, each inside the total, the
+    replicas serving before the first step ended; no later step logs one."""
+    first, *rest = history(tiny_run)
+    start = {k: v for k, v in first.items() if k.startswith("timing/startup_")}
+    assert set(start) == {f"timing/startup_{p}_s" for p in ("ray", "serve", "replica", "replicas_ready", "workers",
+                                                             "policy", "setup", "first_step", "total")}
+    assert all(0 <= v <= start["timing/startup_total_s"] for v in start.values()), start
+    assert start["timing/startup_first_step_s"] == pytest.approx(first["timing/step_s"], abs=0.5)
+    assert not any(k.startswith("timing/startup_") for r in rest for k in r)
+
+
 def test_tiny_run_writes_checkpoints_logs_and_pictures(tiny_run):
     final = tiny_run / "checkpoints" / "checkpoint_step_000024"
     for name in ("adapter/pytorch_lora_weights.safetensors", "optimizer.pt", "trainer_state.json",

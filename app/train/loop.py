@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from app.metrics import PhaseTimer, Stats, busy_shares, reduce_over_workers, rew
 from app.models.compile import cache_counts, compile_counts
 from app.prompt_sets import load_prompts
 from app.rollout.client import BlockingRolloutClient, RolloutClient, ScoredGroup
+from app.startup import startup_metrics
 from app.train import checkpoint
 from app.train.evaluation import RunEvaluator, eval_due
 from app.train.policy import Policy
@@ -65,6 +67,7 @@ class Worker:
     log: run_metrics.RunLog | run_metrics.NullRunLog = field(default_factory=run_metrics.NullRunLog)  # rank 0 logs
     evaluator: RunEvaluator | None = None  # rank 0, with evaluation on (eval.every, eval.before_train)
     compiled_frames: int = 0  # dynamo frames this process had compiled at the end of the last step
+    replica_starts: dict[str, tuple[float, float]] = field(default_factory=dict)  # replica -> (constructed, serving)
 
 
 def replica_dtype(config: RunConfig) -> torch.dtype:
@@ -74,15 +77,24 @@ def replica_dtype(config: RunConfig) -> torch.dtype:
 
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point. loop_config: {"config": RunConfig, "run_dir": absolute path of the run folder,
-    "rollout", "reward", "adapters": DeploymentHandles of the application serving the rollouts and rewards}."""
+    "rollout", "reward", "adapters": DeploymentHandles of the application serving the rollouts and rewards,
+    "startup": the driver's start-up marks (app/startup.py; optional)}."""
+    marks = {"entered": time.time()}
     config = loop_config["config"]
     client = RolloutClient(loop_config["rollout"], loop_config["reward"], loop_config["adapters"],
                            retries=config.rollout.request_retries, publish_dtype=replica_dtype(config))
     with BlockingRolloutClient(client) as rollout:
-        worker = _setup(config, Path(loop_config["run_dir"]), rollout)
+        worker = _setup(config, Path(loop_config["run_dir"]), rollout, marks)
         try:
             for step in range(worker.state.step, config.train.num_steps):
+                first = step == worker.state.step and "first_step_began" not in marks
+                if first:
+                    marks["first_step_began"] = time.time()
                 metrics = train_step(worker, step)
+                if first:  # where the start went: logged with this run's first step (a resumed run's too)
+                    marks["first_step_done"] = time.time()
+                    metrics.update(startup_metrics(loop_config.get("startup", {}), marks,
+                                                   list(worker.replica_starts.values())))
                 if worker.evaluator is not None and eval_due(config, step):
                     worker.schedule.finish()  # pipelined: the replicas serve the adapter just published
                     worker.evaluator.after_step(step + 1, worker.adapter.version)
@@ -102,6 +114,9 @@ def train_step(worker: Worker, step: int) -> dict[str, float]:
     # pipelined: the next steps' groups start generating, with the adapter published last
     lost_replicas = worker.schedule.before_training(step, worker.state.adapter_version)
     trajectories = [s.trajectory for s in groups]
+    for traj in trajectories:  # when each replica started (app/startup.py)
+        if "replica_start" in traj.producer:
+            worker.replica_starts[traj.producer.get("replica", "")] = tuple(traj.producer["replica_start"])
 
     # 3. advantages per prompt group, normalised over the whole step's batch (every worker's rewards: waiting for
     # them is waiting for the slowest worker's groups, so it counts as the rollout's)
@@ -264,7 +279,9 @@ def _report(worker: Worker, step: int, metrics: dict[str, float]) -> None:
                          checkpoint_dir_name=f"checkpoint_step_{step + 1:06d}")
 
 
-def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> Worker:
+def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient, marks: dict[str, float]) -> Worker:
+    """The worker's policy, optimizer, schedule and (rank 0) log and evaluator; `marks` gets the start-up marks
+    policy_built and setup_done."""
     quiet_this_process(config.logging.verbose)  # e.g. Serve's INFO line when this worker's handles connect
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -286,6 +303,7 @@ def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> 
         family=model.family, compile=model.compile, activation_memory_budget=train.activation_memory_budget,
         reshard_after_forward=train.reshard_after_forward, attention_kernels=model.attention_kernels)
     optimizer = make_optimizer(policy, train)
+    marks["policy_built"] = time.time()
     state = checkpoint.TrainerState(seed=train.seed)
     adapter = None
     if restored is not None:
@@ -309,4 +327,5 @@ def _setup(config: RunConfig, run_dir: Path, rollout: BlockingRolloutClient) -> 
         if restored is not None:
             print(f"[flowgrpo] continuing from the checkpoint of step {state.step}", file=sys.__stdout__, flush=True)
     dist.barrier()
+    marks["setup_done"] = time.time()
     return worker
