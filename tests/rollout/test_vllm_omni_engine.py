@@ -198,6 +198,8 @@ def test_a_merging_engine_samples_what_the_adapter_samples(vllm_engine, aio, lor
     try:
         assert aio(vllm_engine.load_lora(lora_v3)) == 3 and aio(vllm_engine.health())["lora_merged"]
         groups["merged"] = aio(vllm_engine.generate(request()))
+        assert groups["merged"].producer["adapter_swap_s"] > 0  # the fold, told once by the next group
+        assert "adapter_swap_s" not in aio(vllm_engine.generate(request())).producer
         with pytest.raises(NotImplementedError, match="merge_lora=false"):
             aio(vllm_engine.update_weights({}))
         aio(vllm_engine.load_lora(None))

@@ -8,9 +8,11 @@ images for the same seed: every image's noise comes from its own generator (app/
 Concurrent `generate` calls are fine: AsyncOmni queues them and batches up to `max_num_seqs` per forward (BAGEL:
 one request per forward).
 
-LoRA adapters arrive in memory (`stage_lora`, never files), served through vllm-omni's LoRA manager (Qwen-Image)
-or the pipeline's own hooks (BAGEL's generation expert, app/rollout/vllm_omni/bagel_lora.py), selected per
-request by the version in its FlowGRPO arguments. What engine and pipeline exchange: exchange.py.
+LoRA adapters arrive in memory (`stage_lora`, never files), served through vllm-omni's LoRA manager (Qwen-Image,
+SD3) or the pipeline's own hooks (BAGEL's generation expert, app/rollout/vllm_omni/bagel_lora.py), selected per
+request by the version in its FlowGRPO arguments; or, with `merge_lora`, folded into the weights (merge.py). The
+group after a publication tells its engine-side seconds (`producer["adapter_swap_s"]`: the staging, vLLM's own
+load then running inside that group; or the fold). What engine and pipeline exchange: exchange.py.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class VllmOmniEngine:
                              "serve it unmerged (rollout.merge_lora=false)")
         self.merge_lora = merge_lora
         self._swaps = _SwapGate()
+        self._swap_s = None  # the last publication's engine-side seconds, told by the next group (adapter_swap_s)
         self.engine_kwargs = dict(engine_kwargs or {})
         enabled = compile is not None and compile.enabled
         if torch.cuda.is_available():
@@ -215,6 +218,7 @@ class VllmOmniEngine:
             self._errors += 1
             raise
         self._served += 1
+        swap, self._swap_s = self._swap_s, None
         side = outputs[0].trajectory_timesteps  # exchange.py: the family's conditioning as Trajectory fields
         return Trajectory.sampled(
             request, seed=seed, lora_version=version,
@@ -222,7 +226,8 @@ class VllmOmniEngine:
             latents=torch.cat([o.trajectory_latents for o in outputs]),
             log_probs=torch.cat([o.trajectory_log_probs for o in outputs]),
             timesteps=side["timesteps"], sigmas=side["sigmas"], family=self.family, **side["fields"],
-            producer={"engine": self.kind, "pid": os.getpid(), "seconds": time.perf_counter() - started},
+            producer={"engine": self.kind, "pid": os.getpid(), "seconds": time.perf_counter() - started,
+                      **({"adapter_swap_s": swap} if swap is not None else {})},
         )
 
     async def generate_plain(self, request: GenerationRequest) -> torch.Tensor:
@@ -252,11 +257,13 @@ class VllmOmniEngine:
             if adapter.version < self._lora_version:
                 raise ValueError(f"adapter version {adapter.version} is older than the served version "
                                  f"{self._lora_version}: publish a newer one, or None to reset to the base model")
+            began = time.perf_counter()
             tensors, peft_config = LORA_DELIVERIES[self.recipe.lora_delivery](adapter, self.recipe)
             staged = _first_result(await self._omni.collective_rpc("stage_lora",
                                                                   args=(adapter.version, tensors, peft_config)))
             if staged != len(tensors):
                 raise RuntimeError(f"the worker did not stage LoRA version {adapter.version}: {staged!r}")
+            self._swap_s = time.perf_counter() - began  # staged; vLLM loads it inside the next group
             self._lora_version = adapter.version
             return adapter.version
 
@@ -271,9 +278,11 @@ class VllmOmniEngine:
         layers = adapter_layers(adapter) if adapter is not None else {}
         scale = adapter.alpha / adapter.rank if adapter is not None else 0.0
         async with self._swaps.swap():
+            began = time.perf_counter()
             merged = _first_result(await self._omni.collective_rpc("merge_lora", args=(layers, scale)))
             if merged != len(layers):
                 raise RuntimeError(f"the worker folded {merged!r} of the adapter's {len(layers)} layers")
+            self._swap_s = time.perf_counter() - began
             self._lora_version = adapter.version if adapter is not None else 0
         return self._lora_version
 
