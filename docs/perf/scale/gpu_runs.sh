@@ -5,11 +5,12 @@
 # device wheels installed (../shared/tools/device-wheels --no-ocr), PYTHONPATH set:
 #   bash docs/perf/scale/gpu_runs.sh build | job NAME STEPS [overrides...]
 # (CHECK=1: each job's config is loaded and nothing runs: gpu_lanes.sh's plan checked on a CPU machine)
-# Writes logs and metrics.jsonl into $OUT (the device tool's folder; ./out elsewhere). GPU figures come from the
-# diffusers engine (vllm cannot be installed beside the image's torch).
+# Writes logs and metrics.jsonl into $OUT (the device tool's folder; ./out elsewhere). The leases before 2026-11-28
+# ran the diffusers engine (the image's torch 2.11); with the pinned stack carried (docs/perf/vllm_omni/README.md)
+# `rollout.engine=vllm_omni` runs vllm-omni replicas (with `rollout.merge_lora=true|false`).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-MODEL=/tmp/qwen-image-full
+MODEL=${MODEL:-/tmp/qwen-image-full}
 CACHE=/tmp/compile_cache   # one inductor cache for every stage of a lease
 CFG=configs/qwen_image_ocr_2gpu.yaml
 FAST=(rollout.sde_window.size=2 "rollout.sde_window.range=[0,5]" train.timestep_fraction=1 train.groups_per_step=2)
