@@ -15,6 +15,9 @@ CACHE=/tmp/compile_cache   # one inductor cache for every stage of a lease
 CFG=configs/qwen_image_ocr_2gpu.yaml
 FAST=(rollout.sde_window.size=2 "rollout.sde_window.range=[0,5]" train.timestep_fraction=1 train.groups_per_step=2)
 JPEG=("reward.weights={jpeg_compressibility: 1.0}" train.seed=0 train.checkpoint_every=0 logging.image_every=0)
+# more overrides for every job after it, as a lease's stage word (a stage word with "=" sets a variable there):
+# "JOBARGS=rollout.engine=vllm_omni rollout.merge_lora=true"
+read -r -a JOBARGS <<< "${JOBARGS:-}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_COLOR_PREFIX=0
 
 case "$1" in
@@ -27,7 +30,7 @@ case "$1" in
     mode=$1; name=$2; steps=$3; shift 3
     if [ -n "${CHECK:-}" ]; then  # CHECK=1: a dry run of a lease's plan on any machine, each job's config loaded
       python -c 'import sys; from app.config import load; load(sys.argv[1], sys.argv[3:]); print(sys.argv[2], "config ok")' \
-        $CFG $name model.path=$MODEL "${FAST[@]}" "${JPEG[@]}" train.num_steps=$steps "$@" 2>&1 | tail -n 1
+        $CFG $name model.path=$MODEL "${FAST[@]}" "${JPEG[@]}" train.num_steps=$steps "${JOBARGS[@]}" "$@" 2>&1 | tail -n 1
       exit 0
     fi
     if [ $mode = kill ]; then
@@ -38,7 +41,7 @@ case "$1" in
         done ) &
     fi
     timeout ${JOB_TIMEOUT:-560} python -m jobs.train --config $CFG model.path=$MODEL model.compile.cache_dir=$CACHE \
-      "${FAST[@]}" "${JPEG[@]}" train.num_steps=$steps logging.dir=/tmp/runs/$name "$@" > "$OUT/$name.log" 2>&1
+      "${FAST[@]}" "${JPEG[@]}" train.num_steps=$steps logging.dir=/tmp/runs/$name "${JOBARGS[@]}" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $?"
     cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
     cp /tmp/runs/$name/eval/metrics.jsonl "$OUT/${name}_eval.jsonl" 2>/dev/null  # runs that evaluate
