@@ -204,7 +204,8 @@ class RolloutConfig:
     merge_lora: bool = False
     # where the copy of the adapted base weights lives: "device" (a second copy in GPU memory; the fastest swap),
     # "host" (pinned host memory: no GPU memory, one host-to-GPU copy of those weights per version), or "auto" (the
-    # device if the copy takes at most half the GPU's free memory at the first adapter, else the host)
+    # device if the copy takes at most half the GPU's free memory at the first adapter, else the host). vllm-omni keeps
+    # it on the host always (read from the checkpoint): auto or host
     merged_base_on: MergedBaseOn = MergedBaseOn("auto")
     # concurrent requests one replica accepts (vllm-omni queues them and batches up to max_num_seqs per forward)
     max_ongoing_requests: int = 4
