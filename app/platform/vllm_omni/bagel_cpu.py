@@ -14,15 +14,14 @@ autoencoder weights fit no parameter, "weights were not initialized from checkpo
 3. The tiny autoencoder: vllm-omni always builds the 84M-parameter FLUX autoencoder; a tiny checkpoint declares a
    smaller geometry, which the caller passes (`adapt_pipeline(..., autoencoder=...)`), and it is swapped in.
 4. The engine's start-up warm-up asks for a 512x512 image (with an input image), which a checkpoint that generates
-   less refuses (and which takes minutes in bf16 on a CPU): where the caller says so (`shrink_warmup(applies)`:
-   on the CPU, and for a tiny checkpoint) it asks for the smallest size instead.
+   less refuses (and which takes minutes in bf16 on a CPU): it asks for the smallest size instead, on the CPU and
+   for a tiny checkpoint (app/platform/vllm_omni/warmup.py, as every family's warm-up on the CPU platform).
 """
 
 from __future__ import annotations
 
 import torch
 
-WARMUP_SIDE = 32  # pixels: one latent token pair at BAGEL's stride of 16
 _LIBRARY = None  # the torch.library fragment must outlive this call
 
 
@@ -69,22 +68,3 @@ def adapt_pipeline(pipeline, *, autoencoder: dict | None = None) -> None:
                    pipeline.vae.decoder, bagel.vit_model):
         if module is not None:
             module.register_forward_pre_hook(_cast_to_weight_dtype, with_kwargs=True)
-
-
-def shrink_warmup(applies) -> None:
-    """Workaround 4: the diffusion engine's start-up request for BAGEL asks for WARMUP_SIDE pixels, not 512, where
-    `applies(od_config)` (the engine's diffusion config: its `model` folder) says so. Patched in the engine process,
-    where the pipeline class is resolved before the warm-up runs; idempotent (the first predicate stays)."""
-    from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
-
-    make = DiffusionEngine._make_dummy_request
-    if getattr(make, "flowgrpo_shrunk", False):
-        return
-
-    def make_dummy_request(engine, *, height: int, width: int, **kwargs):
-        if engine.od_config.model_class_name == "BagelPipeline" and applies(engine.od_config):
-            height = width = WARMUP_SIDE
-        return make(engine, height=height, width=width, **kwargs)
-
-    make_dummy_request.flowgrpo_shrunk = True
-    DiffusionEngine._make_dummy_request = make_dummy_request

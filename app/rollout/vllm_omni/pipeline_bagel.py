@@ -37,6 +37,7 @@ from app.algo.sde_window import noise_levels
 from app.models.bagel.flux_ae import TINY_AE_KEY
 from app.models.bagel.model import initial_latents, patchify, schedule
 from app.platform.vllm_omni import bagel_cpu
+from app.platform.vllm_omni.warmup import on_the_cpu_platform, shrink_warmup
 from app.rollout.seeding import sample_generators
 from app.rollout.vllm_omni.bagel_lora import GenerationExpertLora
 from app.rollout.vllm_omni.exchange import FlowGRPOArgs, side_output
@@ -50,8 +51,15 @@ def _declared_autoencoder(model_dir) -> dict | None:
 
 if not torch.cuda.is_available():
     bagel_cpu.define_silu_and_mul()  # before any BagelPipeline is built (its MLPs bind the op)
+
+
+def _tiny_bagel(od_config) -> bool:
+    return od_config.model_class_name == "BagelPipeline" and bool(_declared_autoencoder(od_config.model))
+
+
 # imported in the engine process before its warm-up request: a small one on the CPU and for a tiny checkpoint
-bagel_cpu.shrink_warmup(lambda od_config: not torch.cuda.is_available() or bool(_declared_autoencoder(od_config.model)))
+shrink_warmup(on_the_cpu_platform)
+shrink_warmup(_tiny_bagel)
 
 SCHEDULE_TOLERANCE = 1e-6  # vllm-omni's σ schedule (float32) against ours
 

@@ -11,8 +11,11 @@ import torch
 from app.algo.sampling import TrajectoryRecorder
 from app.algo.sde_window import noise_levels
 from app.models.precision import exact_fp32
+from app.platform.vllm_omni.warmup import on_the_cpu_platform, shrink_warmup
 from app.rollout.seeding import sample_generators
 from app.rollout.vllm_omni.exchange import FlowGRPOArgs
+
+shrink_warmup(on_the_cpu_platform)  # imported in the engine process before its warm-up request
 
 
 @dataclass
