@@ -38,6 +38,14 @@ def adapter_layers(adapter: LoraAdapter) -> dict[str, tuple[torch.Tensor, torch.
     return {m: (p["A"], p["B"]) for m, p in parts.items()}
 
 
+def folded(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, device) -> torch.Tensor:
+    """W0 + scale·B·A on `device`, computed in fp32 (or a float64 model's own dtype) from W0 [out, in], A [r, in] and
+    B [out, r]: the caller rounds it once to the weight's dtype."""
+    work = torch.promote_types(base.dtype, torch.float32)
+    return torch.addmm(base.to(device, work, non_blocking=True), b.to(device, work, non_blocking=True),
+                       a.to(device, work, non_blocking=True), alpha=scale)
+
+
 def auto_keep_on(copy_bytes: int, free_bytes: int | None) -> str:
     """Where "auto" keeps a copy of `copy_bytes`: "device" if it takes at most AUTO_DEVICE_SHARE of the GPU's
     `free_bytes` (None: the weights are not on a GPU, where device and host are one memory), else "host"."""
@@ -105,11 +113,7 @@ class MergedLora:
             scale = adapter.alpha / adapter.rank if adapter is not None else 0.0
             for name, (a, b) in layers.items():
                 weight = self._weight(name)
-                work = torch.promote_types(weight.dtype, torch.float32)  # fp32, or a float64 model's own
-                base = self._keep(name).to(weight.device, non_blocking=True)
-                a = a.to(weight.device, work, non_blocking=True)
-                b = b.to(weight.device, work, non_blocking=True)
-                weight.copy_(torch.addmm(base.to(work), b, a, alpha=scale))  # one rounding to the weight's dtype
+                weight.copy_(folded(self._keep(name), a, b, scale, weight.device))  # one rounding to its dtype
         except BaseException:
             for name, base in self.base.items():
                 self._weight(name).copy_(base)

@@ -75,9 +75,8 @@ class _SwapGate:
                 self._changed.notify_all()
 
     @contextlib.asynccontextmanager
-    async def swap(self):
+    async def swap(self):  # one at a time: the engine's LoRA lock is held
         async with self._changed:
-            await self._changed.wait_for(lambda: not self._swapping)
             self._swapping = True
             await self._changed.wait_for(lambda: self._running == 0)
         try:
@@ -247,16 +246,16 @@ class VllmOmniEngine:
     async def load_lora(self, adapter: LoraAdapter | None) -> int:
         await self.start()
         async with self._lora_lock:
+            if adapter is not None and adapter.version == self._lora_version:  # re-published (a replica restart)
+                return adapter.version
+            if adapter is not None and adapter.version < self._lora_version:
+                raise ValueError(f"adapter version {adapter.version} is older than the served version "
+                                 f"{self._lora_version}: publish a newer one, or None to reset to the base model")
             if self.merge_lora:
                 return await self._merge(adapter)
             if adapter is None:
                 self._lora_version = 0
                 return 0
-            if adapter.version == self._lora_version:  # re-published (e.g. after a replica restart): served already
-                return adapter.version
-            if adapter.version < self._lora_version:
-                raise ValueError(f"adapter version {adapter.version} is older than the served version "
-                                 f"{self._lora_version}: publish a newer one, or None to reset to the base model")
             began = time.perf_counter()
             tensors, peft_config = LORA_DELIVERIES[self.recipe.lora_delivery](adapter, self.recipe)
             staged = _first_result(await self._omni.collective_rpc("stage_lora",
@@ -268,13 +267,8 @@ class VllmOmniEngine:
             return adapter.version
 
     async def _merge(self, adapter: LoraAdapter | None) -> int:
-        """load_lora of a merging engine: the adapter folded into the weights once the groups in flight are done
-        (new ones wait), or the base model again (None)."""
-        if adapter is not None and adapter.version == self._lora_version:
-            return adapter.version
-        if adapter is not None and adapter.version < self._lora_version:
-            raise ValueError(f"adapter version {adapter.version} is older than the served version "
-                             f"{self._lora_version}: publish a newer one, or None to reset to the base model")
+        """load_lora of a merging engine (under its lock): the adapter folded into the weights once the groups in
+        flight are done (new ones wait), or the base model again (None)."""
         layers = adapter_layers(adapter) if adapter is not None else {}
         scale = adapter.alpha / adapter.rank if adapter is not None else 0.0
         async with self._swaps.swap():

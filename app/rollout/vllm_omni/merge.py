@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from app.models.lora import PIPELINE_PREFIX
+from app.models.lora_merge import folded
 
 
 def read_checkpoint_tensors(folder: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -102,19 +103,15 @@ class CheckpointMerge:
         """Fold the adapter {layer: (A [r, in], B [out, r])} in at `scale` = α/r ({}: the base model), replacing the
         one folded in before; returns how many layers hold an adapter. A failure halfway leaves the base model."""
         self._check(layers)
-        work = torch.promote_types(self.dtype, torch.float32)
 
         def restored(name):
             return lambda: self.base[name].to(self.device, non_blocking=True)
 
-        def folded(name, a, b):
-            def make():
-                base = self.base[name].to(self.device, work, non_blocking=True)
-                return torch.addmm(base, b.to(self.device, work), a.to(self.device, work), alpha=scale).to(self.dtype)
-            return make
+        def merged(name, a, b):  # one rounding to the engine's dtype
+            return lambda: folded(self.base[name], a, b, scale, self.device).to(self.dtype)
 
         named = {name: restored(name) for name in self.merged - layers.keys()}
-        named.update({name: folded(name, a, b) for name, (a, b) in layers.items()})
+        named.update({name: merged(name, a, b) for name, (a, b) in layers.items()})
         try:
             self._load(named)
         except BaseException:
