@@ -3,6 +3,7 @@ dashboard shows (exported through Ray's Prometheus endpoint; Grafana panels unde
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -248,6 +249,37 @@ class PhaseTimer:
         step = time.perf_counter() - self.started
         return {**{f"timing/{k}_s": v for k, v in self.seconds.items()}, "timing/step_s": step,
                 "timing/other_s": max(0.0, step - sum(self.seconds.values()))}
+
+
+class BusyClock:
+    """An engine's busy seconds shared among the requests in flight: while k requests are in flight each is charged
+    1/k of the time, so the charges of all requests add up to the time the engine had work (an engine that queues
+    concurrent requests would otherwise count the queueing twice). `token = clock.enter()`, then
+    `clock.leave(token)` returns that request's charge."""
+
+    def __init__(self, now=time.perf_counter):
+        self._now = now
+        self._charges: dict[int, float] = {}  # token -> seconds charged so far
+        self._since = 0.0  # the last time the in-flight set changed
+        self._tokens = itertools.count()
+
+    def _settle(self) -> None:
+        now = self._now()
+        if self._charges:
+            share = (now - self._since) / len(self._charges)
+            for token in self._charges:
+                self._charges[token] += share
+        self._since = now
+
+    def enter(self) -> int:
+        self._settle()
+        token = next(self._tokens)
+        self._charges[token] = 0.0
+        return token
+
+    def leave(self, token: int) -> float:
+        self._settle()
+        return self._charges.pop(token)
 
 
 def throughput(metrics: dict[str, float], *, useful_tflop: float, gpus: float) -> dict[str, float]:

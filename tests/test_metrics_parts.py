@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from app.metrics import PhaseTimer, Stats, busy_shares, throughput
+from app.metrics import BusyClock, PhaseTimer, Stats, busy_shares, throughput
 
 
 def test_stats_weighted_means_and_extremes():
@@ -37,6 +37,25 @@ def test_phase_timer_counts_the_work_a_phase_queued_inside_it():
     with pytest.raises(RuntimeError), timer("denoise"):
         raise RuntimeError("a failed group")
     assert len(calls) == 2 and timer.seconds["decode"] >= 0.02 and timer.seconds["denoise"] >= 0.02
+
+
+def test_busy_clock_charges_overlapping_requests_their_share_of_the_time():
+    """Two groups queued in one engine: 0-10 s the first alone, 10-20 s both, 20-30 s the second alone, then idle
+    and a third 40-45 s. Charged 15, 15 and 5: they add up to the 35 s the engine had work, where each group's own
+    wall time (20, 20, 5) would count the overlap twice."""
+    now = [0.0]
+    clock = BusyClock(now=lambda: now[0])
+    first = clock.enter()
+    now[0] = 10.0
+    second = clock.enter()
+    now[0] = 20.0
+    charged_first = clock.leave(first)
+    now[0] = 30.0
+    charged_second = clock.leave(second)
+    now[0] = 40.0
+    third = clock.enter()
+    now[0] = 45.0
+    assert (charged_first, charged_second, clock.leave(third)) == (15.0, 15.0, 5.0)
 
 
 def test_throughput_and_mfu_of_a_step():

@@ -2,6 +2,7 @@
 exact parity with the trainer-side recompute and with the diffusers reference engine."""
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -102,13 +103,19 @@ def test_concurrent_groups_match_sequential_ones(vllm_engine, aio):
     requests = [request(seed=s, prompt=p) for s, p in [(1, "a cat"), (2, "a red cube"), (3, 'a sign "OPEN"')]]
 
     async def both():
+        began = time.perf_counter()
         together = await asyncio.gather(*[vllm_engine.generate(r) for r in requests])
+        wall = time.perf_counter() - began
         alone = [await vllm_engine.generate(r) for r in requests]
-        return together, alone
+        return together, wall, alone
 
-    together, alone = aio(both())
+    together, wall, alone = aio(both())
     for a, b in zip(together, alone, strict=True):
         assert a.prompt == b.prompt and (a.latents - b.latents).abs().max() < 1e-5
+    # the engine's seconds are its busy time shared among the groups in flight: they add up to no more than the
+    # time the three took together (each group's own wall time, queueing included, would count it about twice)
+    charged = [t.producer["seconds"] for t in together]
+    assert min(charged) > 0 and sum(charged) <= wall + 1e-3
 
 
 @pytest.mark.parametrize("sde_type", ["sde", "cps"])

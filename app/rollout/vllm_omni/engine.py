@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from app.metrics import BusyClock
 from app.models.family import get_family
 from app.models.lora import PIPELINE_PREFIX, transformer_key
 from app.models.lora_merge import adapter_layers
@@ -130,6 +131,8 @@ class VllmOmniEngine:
         self._lora_version = 0
         self._lora_lock = asyncio.Lock()
         self._ids = itertools.count()
+        self._busy = BusyClock()  # concurrent groups queue in vllm-omni: each is charged its share of the time
+        self._compile_frames = 0  # the worker's frames compiled, as the last group reported them
         self._served = 0
         self._errors = 0
 
@@ -201,7 +204,7 @@ class VllmOmniEngine:
             raise TypeError(f"expected a GenerationRequest, got {type(request).__name__}")
         await self.start()
         seed = request.seed if request.seed is not None else draw_seed()
-        started = time.perf_counter()
+        busy = self._busy.enter()
         try:
             async with self._swaps.group() if self.merge_lora else contextlib.nullcontext():
                 version = self._lora_version  # one adapter for the whole group, recorded with it
@@ -216,17 +219,27 @@ class VllmOmniEngine:
         except Exception:
             self._errors += 1
             raise
+        finally:
+            seconds = self._busy.leave(busy)
         self._served += 1
         swap, self._swap_s = self._swap_s, None
         side = outputs[0].trajectory_timesteps  # exchange.py: the family's conditioning as Trajectory fields
+        producer = {"engine": self.kind, "pid": os.getpid(), "seconds": seconds,
+                    **({"adapter_swap_s": swap} if swap is not None else {})}
+        stats = side.get("worker", {})
+        if "compile_frames" in stats and self.compiled:  # the frames new since the group before (0: steady)
+            frames = max(self._compile_frames, int(stats["compile_frames"]))
+            producer.update(compile_frames=frames, compile_frames_new=frames - self._compile_frames)
+            self._compile_frames = frames
+        if "gpu_peak_gib" in stats:
+            producer["gpu_peak_gib"] = float(stats["gpu_peak_gib"])
         return Trajectory.sampled(
             request, seed=seed, lora_version=version,
             images=torch.cat([_images_uint8(o.images) for o in outputs]),
             latents=torch.cat([o.trajectory_latents for o in outputs]),
             log_probs=torch.cat([o.trajectory_log_probs for o in outputs]),
             timesteps=side["timesteps"], sigmas=side["sigmas"], family=self.family, **side["fields"],
-            producer={"engine": self.kind, "pid": os.getpid(), "seconds": time.perf_counter() - started,
-                      **({"adapter_swap_s": swap} if swap is not None else {})},
+            producer=producer,
         )
 
     async def generate_plain(self, request: GenerationRequest) -> torch.Tensor:

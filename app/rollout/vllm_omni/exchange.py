@@ -9,7 +9,8 @@ Pipeline → engine: the request's output carries
     trajectory_log_probs  [n, T] fp32           log-prob of each taken step
     trajectory_timesteps  dict: "timesteps" [T], "sigmas" [T+1], and "fields": the family's conditioning as
                           `Trajectory` fields (Qwen-Image: prompt_embeds, prompt_mask, negative ones under CFG;
-                          BAGEL: conditioning), so the engine builds the record without knowing the family
+                          BAGEL: conditioning), so the engine builds the record without knowing the family;
+                          and "worker": the worker process's state as the output left it (`worker_stats`)
 """
 
 from __future__ import annotations
@@ -54,4 +55,18 @@ class FlowGRPOArgs:
 
 def side_output(timesteps, sigmas, fields: dict) -> dict:
     """The `trajectory_timesteps` entry of an output (see the module doc)."""
-    return {"timesteps": timesteps, "sigmas": sigmas, "fields": fields}
+    return {"timesteps": timesteps, "sigmas": sigmas, "fields": fields, "worker": worker_stats()}
+
+
+def worker_stats() -> dict:
+    """What the replica reports of the process the transformer runs in (the in-process engines read their own):
+    dynamo's frames compiled so far (`compile_frames`: steady state means it stops growing) and the GPU memory
+    peak (`gpu_peak_gib`, CUDA only)."""
+    import torch
+
+    from app.models.compile import compile_counts
+
+    stats = {"compile_frames": compile_counts()["frames"]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return stats
