@@ -68,3 +68,28 @@ def test_every_make_target_named_exists():
     named = _named(r"`make ([a-z][a-z0-9-]*)") | _named(r"^make ([a-z][a-z0-9-]*)")
     assert "train" in named and "test" in named
     assert not named - targets, sorted(named - targets)
+
+
+def _long_blocks(text: str, limit: int) -> list[tuple[int, int]]:
+    """(first line, lines) of each paragraph or list item longer than `limit` lines; code, tables, headings apart."""
+    item = re.compile(r"^\s*([-*]|\d+\.) ")
+    found, block, start, fenced = [], [], 0, False
+    for number, line in enumerate([*text.splitlines(), ""], start=1):
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not line.strip() or line.startswith(("#", "|")) or item.match(line):
+            if len(block) > limit:
+                found.append((start, len(block)))
+            block, start = ([line], number) if item.match(line) else ([], number + 1)
+            continue
+        block.append(line)
+    return found
+
+
+def test_the_user_docs_are_short_blocks_and_the_readme_one_screenful():
+    """A newcomer scans: every paragraph and list item of README.md and docs/*.md is at most 6 lines (raw figures
+    under docs/perf/ are records, not pages to scan), and the README at most 150 lines."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    long = {page.name: blocks for page in pages if (blocks := _long_blocks(_text(page), 6))}
+    assert not long, f"paragraphs or list items over 6 lines (first line, lines): {long}"
+    assert len(_text(REPO / "README.md").splitlines()) <= 150

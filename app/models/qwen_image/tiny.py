@@ -82,9 +82,11 @@ def build_tiny_qwen_image(out_dir: str | os.PathLike, seed: int = 0, *, overwrit
 
     The folder is written next to its destination and renamed into place, so a reader never sees half a model.
     """
-    from diffusers import QwenImagePipeline
+    def save(staging: Path) -> None:
+        from diffusers import QwenImagePipeline  # only when building: the import is seconds of a job's start
+
+        QwenImagePipeline(**tiny_qwen_image_components(seed)).save_pretrained(staging)
 
     out = Path(out_dir).resolve()
     wanted = {"family": "qwen_image", "seed": seed, "builder_version": BUILDER_VERSION}
-    return write_build(out, wanted, lambda staging: QwenImagePipeline(**tiny_qwen_image_components(seed))
-                       .save_pretrained(staging), overwrite=overwrite)
+    return write_build(out, wanted, save, overwrite=overwrite)

@@ -148,9 +148,11 @@ def tiny_sd3_components(seed: int = 0) -> dict:
 
 def build_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, *, overwrite: bool = False) -> Path:
     """Write a tiny checkpoint to `out_dir` (fp32, diffusers layout) unless an identical build is already there."""
-    from diffusers import StableDiffusion3Pipeline
+    def save(staging: Path) -> None:
+        from diffusers import StableDiffusion3Pipeline  # only when building: the import is seconds of a job's start
+
+        StableDiffusion3Pipeline(**tiny_sd3_components(seed)).save_pretrained(staging)
 
     out = Path(out_dir).resolve()
     wanted = {"family": "sd3", "seed": seed, "builder_version": BUILDER_VERSION}
-    return write_build(out, wanted, lambda staging: StableDiffusion3Pipeline(**tiny_sd3_components(seed))
-                       .save_pretrained(staging), overwrite=overwrite)
+    return write_build(out, wanted, save, overwrite=overwrite)
