@@ -93,6 +93,23 @@ def export_lora(transformer, *, version: int, adapter_name: str = ADAPTER_NAME) 
                        version=version)
 
 
+def target_layers(module, target_modules) -> dict[str, torch.Tensor]:
+    """{name: weight} of `module`'s linear layers that a LoRA on `target_modules` adapts, by peft's own matching
+    rule, in module order (plain Linears, or peft's wrappers of them in a live engine)."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    config = LoraConfig(target_modules=list(target_modules))
+    out = {}
+    for name, layer in module.named_modules():
+        weight = getattr(layer, "weight", None)  # a wrapper's is its base layer's
+        linear = isinstance(layer, torch.nn.Linear) or hasattr(layer, "base_layer")
+        if linear and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+                and check_target_module_exists(config, name):
+            out[name] = weight
+    return out
+
+
 def random_lora(module, *, version: int, rank: int, target_modules: list[str], seed: int, scale: float = 1.0,
                 alpha: float | None = None) -> LoraAdapter:
     """A non-trivial random adapter (A and B both random, B times `scale`) for tests and benchmarks, made from
@@ -103,18 +120,12 @@ def random_lora(module, *, version: int, rank: int, target_modules: list[str], s
     import math
 
     from peft import LoraConfig
-    from peft.tuners.tuners_utils import check_target_module_exists
 
     config = LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=target_modules)
     tensors = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for name, layer in module.named_modules():
-            weight = getattr(layer, "weight", None)  # a wrapper's is its base layer's
-            linear = isinstance(layer, torch.nn.Linear) or hasattr(layer, "base_layer")
-            if not (linear and isinstance(weight, torch.Tensor) and weight.dim() == 2
-                    and check_target_module_exists(config, name)):
-                continue
+        for name, weight in target_layers(module, target_modules).items():
             a, b = torch.empty(rank, weight.shape[1]), torch.empty(weight.shape[0], rank)
             for t in (a, b):
                 torch.nn.init.kaiming_uniform_(t, a=math.sqrt(5))

@@ -31,7 +31,15 @@ from app.metrics import PhaseTimer
 from app.models.attention import use_sdpa_kernels
 from app.models.compile import apply_compile, cache_counts, compile_counts
 from app.models.family import get_family
-from app.models.lora import ADAPTER_NAME, LoraShape, add_zero_lora, attach_lora, copy_into_lora, transformer_key
+from app.models.lora import (
+    ADAPTER_NAME,
+    LoraShape,
+    add_zero_lora,
+    attach_lora,
+    copy_into_lora,
+    target_layers,
+    transformer_key,
+)
 from app.models.lora_merge import KEEP_ON, MergedLora
 from app.models.precision import exact_fp32
 from app.rollout.seeding import draw_seed
@@ -117,6 +125,8 @@ class LocalEngine:
                 module = self.trained_module()
                 if self.merge_lora is not None:
                     self._merged = MergedLora(module, keep_on=self.merge_lora)
+                    if self.lora is not None:  # the layers every adapter of the run adapts: their copies now
+                        self._merged.keep_ahead(target_layers(module, self.lora.target_modules))
                 elif self.lora is not None:
                     add_zero_lora(module, self.lora)
                 module.requires_grad_(False)

@@ -191,3 +191,31 @@ def test_auto_decides_at_the_first_adapter_and_keeps_to_it():
     assert merged.keep_on == "auto"  # the base model needs no copy yet
     merged.apply(_adapter(1, rank=4))
     assert merged.keep_on == "device" and set(merged.base) == set(LAYERS)
+
+
+def test_host_copies_taken_ahead_fold_the_first_adapter_as_copies_taken_then():
+    """An engine that knows its adapters' targets takes the host copies from the start (keep_ahead): before any
+    adapter the copies are there, the base model's own values, and the first fold is bit for bit the fold of an
+    engine that took them at the first adapter."""
+    ahead, lazy = Net(torch.bfloat16), Net(torch.bfloat16)
+    base = _weights(ahead)
+    merged_ahead = MergedLora(ahead, keep_on="host")
+    merged_ahead.keep_ahead(LAYERS)
+    merged_ahead._wait_ahead()
+    assert set(merged_ahead.base) == set(LAYERS)
+    assert all(torch.equal(merged_ahead.base[name], base[name]) for name in LAYERS)
+    adapter = _adapter(1, rank=4)
+    merged_ahead.apply(adapter)
+    MergedLora(lazy, keep_on="host").apply(adapter)
+    assert all(torch.equal(w, _weights(lazy)[name]) for name, w in _weights(ahead).items())
+
+
+def test_keeping_ahead_waits_for_the_first_adapter_where_the_copy_could_go_to_the_device():
+    """Off a GPU "auto" would keep the copy beside the weights (one memory), and a device copy is quick: nothing is
+    taken ahead, and "auto" still decides at the first adapter."""
+    merged = MergedLora(Net(torch.float32), keep_on="auto")
+    merged.keep_ahead(LAYERS)
+    assert merged._ahead is None and merged.keep_on == "auto" and not merged.base
+    merged = MergedLora(Net(torch.float32), keep_on="device")
+    merged.keep_ahead(LAYERS)
+    assert merged._ahead is None and not merged.base

@@ -91,17 +91,22 @@ def test_an_engine_of_a_runs_lora_holds_it_from_the_start_frozen(diffusers_engin
     assert not any(p.requires_grad for p in module.parameters())
 
 
-def test_an_engine_that_merges_samples_what_the_adapter_samples(diffusers_engine, aio, tiny_model_dir):
+@pytest.mark.parametrize("keep_on", ["device", "host"])
+def test_an_engine_that_merges_samples_what_the_adapter_samples(diffusers_engine, aio, tiny_model_dir, keep_on):
     """`rollout.merge_lora`: the adapter folded into the weights, no peft layers in the module, which stays frozen.
     In fp32 its groups are the peft adapter's to rounding, the base model's bit for bit after `load_lora(None)`;
-    new base weights (`update_weights`) take the adapter again, and unknown ones are refused."""
+    new base weights (`update_weights`) take the adapter again, and unknown ones are refused. Host copies of the
+    run's target layers are taken from the start (the adapter here adapts two layers more, copied when it comes)."""
     request = GenerationRequest("a red cube", n=2, height=64, width=64, num_inference_steps=3, noise_level=0.7,
                                 sde_type="sde", seed=4)
     transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
     adapter = random_lora(transformer, version=3, rank=4, target_modules=["to_q", "to_v", "img_mlp.net.2"], seed=2,
                           scale=0.5)
-    engine = DiffusersEngine(tiny_model_dir, lora=LoraShape(4, 4.0, ("to_q",)), merge_lora="device")
+    engine = DiffusersEngine(tiny_model_dir, lora=LoraShape(4, 4.0, ("to_q",)), merge_lora=keep_on)
     try:
+        aio(engine.start())
+        engine._merged._wait_ahead()
+        ahead = set(engine._merged.base)
         groups = sample_both_ways(diffusers_engine, engine, request, adapter, aio)
         module = engine.trained_module()
         assert not any("lora_" in name for name, _ in module.named_modules())
@@ -115,6 +120,8 @@ def test_an_engine_that_merges_samples_what_the_adapter_samples(diffusers_engine
     finally:
         aio(engine.close())
     assert_merged_is_the_adapter(groups, version=3)
+    to_q = {n for n in engine._merged.base if n.endswith(".to_q")}
+    assert ahead == (to_q if keep_on == "host" else set()) and to_q
     assert set(groups["merged"].producer["phase_s"]) == {"encode", "denoise", "decode"}  # where its time went
     assert reloaded.lora_version == 3 and not torch.equal(reloaded.latents, groups["merged"].latents)
     assert not any(p.requires_grad for p in module.parameters())

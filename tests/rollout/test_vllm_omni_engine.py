@@ -11,7 +11,7 @@ from merging import assert_merged_is_the_adapter
 
 from app.models.lora import attach_lora, random_lora
 from app.models.qwen_image import model as qwen_image
-from app.rollout.vllm_omni.engine import WorkerError
+from app.rollout.vllm_omni.engine import WorkerError, _first_result
 from app.types import GenerationRequest, LoraAdapter
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -203,6 +203,9 @@ def test_a_merging_engine_samples_what_the_adapter_samples(vllm_engine, aio, lor
     aio(vllm_engine.load_lora(None))
     vllm_engine.merge_lora = True
     try:
+        # what a merging engine asks its worker at its start (`lora_targets`): the targets' base weights read ahead
+        read_ahead = aio(vllm_engine._omni.collective_rpc("keep_lora_base", args=(list(TARGETS),)))
+        assert _first_result(read_ahead) > 0
         assert aio(vllm_engine.load_lora(lora_v3)) == 3 and aio(vllm_engine.health())["lora_merged"]
         groups["merged"] = aio(vllm_engine.generate(request()))
         assert groups["merged"].producer["adapter_swap_s"] > 0  # the fold, told once by the next group

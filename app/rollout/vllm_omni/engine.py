@@ -97,11 +97,12 @@ class VllmOmniEngine:
 
     def __init__(self, model_path: str | os.PathLike, *, family: str = "qwen_image", dtype: str = "float32",
                  batched_groups: bool = True, max_num_seqs: int = 1, engine_kwargs: dict | None = None,
-                 compile=None, merge_lora: bool = False):
+                 compile=None, merge_lora: bool = False, lora_targets: tuple[str, ...] = ()):
         """compile: a `model.compile` section. On CUDA vllm-omni compiles the transformer's blocks itself unless
         told `enforce_eager`, which follows the section; its CPU platform runs eager either way. merge_lora: fold
         each published adapter into the weights (merge.py) instead of serving it through vLLM's LoRA layers; the
-        weights then change between groups, never during one."""
+        weights then change between groups, never during one; lora_targets: the run's adapters' target modules,
+        whose base weights a merging engine starts reading at its start (the first fold then waits for nothing)."""
         self.model_path = str(Path(model_path).resolve())
         self.family = family
         self.face = get_family(family)  # looked up once: every request asks it for its guidance fields
@@ -113,6 +114,7 @@ class VllmOmniEngine:
             raise ValueError(f"merge_lora: vllm-omni's {family} pipeline applies its adapter with its own hooks; "
                              "serve it unmerged (rollout.merge_lora=false)")
         self.merge_lora = merge_lora
+        self.lora_targets = tuple(lora_targets)
         self._swaps = _SwapGate()
         self._swap_s = None  # the last publication's engine-side seconds, told by the next group (adapter_swap_s)
         self.engine_kwargs = dict(engine_kwargs or {})
@@ -140,7 +142,8 @@ class VllmOmniEngine:
     def from_config(cls, model, rollout) -> VllmOmniEngine:
         """The engine of a run config's model and rollout sections."""
         return cls(model.path, family=model.family, dtype=model.dtype, batched_groups=rollout.batched_groups,
-                   max_num_seqs=rollout.max_num_seqs, compile=model.compile, merge_lora=rollout.merge_lora)
+                   max_num_seqs=rollout.max_num_seqs, compile=model.compile, merge_lora=rollout.merge_lora,
+                   lora_targets=tuple(model.lora_targets))
 
     @property
     def merged_base_on(self) -> str | None:
@@ -165,6 +168,8 @@ class VllmOmniEngine:
             self._omni = AsyncOmni(model=self.model_path, dtype=self.dtype,
                                    custom_pipeline_args={"pipeline_class": self.recipe.pipeline_class},
                                    worker_extension_cls=WORKER_EXTENSION, **kwargs, **self.engine_kwargs)
+            if self.merge_lora and self.lora_targets:
+                _first_result(await self._omni.collective_rpc("keep_lora_base", args=(list(self.lora_targets),)))
 
     def _sampling_params(self, request: GenerationRequest, seed: int, n: int, offset: int, version: int):
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams

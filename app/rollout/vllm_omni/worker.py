@@ -59,16 +59,25 @@ class FlowGRPOWorkerExtension(CustomPipelineWorkerExtension):
             self.lora_manager.remove_adapter(lora_int_id)
         return len(tensors)
 
-    def merge_lora(self, layers: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> int:
-        """Fold an adapter {layer: (A, B)} at `scale` into the transformer's weights ({}: the base model again);
-        returns how many layers hold it (merge.py)."""
+    @property
+    def _merge(self) -> CheckpointMerge:
         pipe = self._pipeline
         merge = getattr(pipe, "_flowgrpo_merge", None)
         if merge is None:
             weight = next(pipe.transformer.parameters())
             merge = pipe._flowgrpo_merge = CheckpointMerge(self.load_weights, pipe.od_config.model,
                                                            dtype=weight.dtype, device=weight.device)
-        return merge.apply(layers, scale)
+        return merge
+
+    def merge_lora(self, layers: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> int:
+        """Fold an adapter {layer: (A, B)} at `scale` into the transformer's weights ({}: the base model again);
+        returns how many layers hold it (merge.py)."""
+        return self._merge.apply(layers, scale)
+
+    def keep_lora_base(self, target_modules: list[str]) -> int:
+        """Start reading the base weights of the layers a LoRA on `target_modules` adapts (merge.py `keep_ahead`);
+        returns at once, with how many layers."""
+        return self._merge.keep_ahead(target_modules)
 
     def load_weights(self, named_tensors) -> set[str]:
         """The pipeline's weight loader on (pipeline name, tensor) pairs, vLLM's LoRA layers stepped aside."""
