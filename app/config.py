@@ -207,6 +207,10 @@ class RolloutConfig:
     # device if the copy takes at most half the GPU's free memory at the first adapter, else the host). vllm-omni keeps
     # it on the host always (read from the checkpoint): auto or host
     merged_base_on: MergedBaseOn = MergedBaseOn("auto")
+    # vllm-omni only: the prompt's context prefilled by a thinker stage (vLLM's AR worker) whose KV the DiT stage
+    # takes, as vllm-omni's own two-stage deploy does for BAGEL (text to image only; CUDA only: vllm-omni has no AR
+    # worker on the CPU platform). The trainer rebuilds each context from the recorded token ids
+    thinker_stage: bool = False
     # concurrent requests one replica accepts (vllm-omni queues them and batches up to max_num_seqs per forward)
     max_ongoing_requests: int = 4
     max_num_seqs: int = 1
@@ -547,6 +551,10 @@ def _check_app(config: AppConfig | RunConfig) -> None:
              or rollout.merged_base_on != MergedBaseOn.device,
              "rollout.merged_base_on=device: the vllm_omni engine keeps the adapted base weights in host memory "
              "(read from the checkpoint); use auto or host")
+    _require(not rollout.thinker_stage or (rollout.engine == Engine.vllm_omni
+                                            and get_family(model.family).vllm_omni.thinker_deploy_config),
+             f"rollout.thinker_stage: a thinker stage is vllm-omni's two-stage deploy of BAGEL; model.family="
+             f"{model.family} with rollout.engine={rollout.engine} has none: use rollout.thinker_stage=false")
     window = rollout.sde_window
     _require(0 <= window.size <= rollout.num_inference_steps,
              f"rollout.sde_window.size={window.size} must be in [0, rollout.num_inference_steps="

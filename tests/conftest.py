@@ -165,14 +165,16 @@ class OneVllmEngine:
     def __init__(self, aio):
         self.aio, self.key, self.engine = aio, None, None
 
-    def get(self, path, family: str = "qwen_image"):
+    def get(self, path, family: str = "qwen_image", **options):
+        """options: the engine's other arguments (thinker_stage=True: another engine)."""
         from app.rollout.vllm_omni.engine import VllmOmniEngine
 
-        if self.key != (str(path), family):
+        key = (str(path), family, tuple(sorted(options.items())))
+        if self.key != key:
             self.close()
-            engine = VllmOmniEngine(path, family=family)
+            engine = VllmOmniEngine(path, family=family, **options)
             self.aio(engine.start())
-            self.key, self.engine = (str(path), family), engine
+            self.key, self.engine = key, engine
         return self.engine
 
     def close(self) -> None:

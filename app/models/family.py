@@ -38,6 +38,8 @@ class VllmOmniRecipe:
     pipeline_class: str
     # a deploy config shipped with vllm-omni (None: the engine's arguments alone)
     deploy_config: str | None = None
+    # vllm-omni's deploy with a thinker stage before the DiT (`rollout.thinker_stage`; None: the family has none)
+    thinker_deploy_config: str | None = None
     # a compute dtype vllm-omni hard-codes for the family (None: model.dtype)
     dtype: str | None = None
     # vllm-omni's num_inference_steps minus ours (BAGEL counts schedule points: T steps are T + 1 points)

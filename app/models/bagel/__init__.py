@@ -116,6 +116,7 @@ FAMILY = Bagel(
     supports_edits=True,
     vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_bagel.FlowGRPOBagelPipeline",
                              deploy_config="bagel_single_stage.yaml",  # one stage: the DiT builds every context
+                             thinker_deploy_config="bagel.yaml",  # the thinker prefills, its KV handed to the DiT
                              dtype="bfloat16", extra_schedule_points=1, lora_delivery="pipeline_hooks",
                              weight_updates=False),
     presets={"tiny-bagel": Preset("app.models.bagel.tiny:build_tiny_bagel", "the BAGEL-7B-MoT layout (upstream "

@@ -34,9 +34,10 @@ from app.models.lora_merge import adapter_layers
 from app.rollout.seeding import draw_seed
 from app.rollout.vllm_omni.exchange import FlowGRPOArgs
 from app.rollout.vllm_omni.lora import LORA_DELIVERIES
-from app.types import GenerationRequest, LoraAdapter, Trajectory
+from app.types import GenerationRequest, LoraAdapter, RequestError, Trajectory
 
 WORKER_EXTENSION = "app.rollout.vllm_omni.worker.FlowGRPOWorkerExtension"
+THINKER_DIT_STAGE = 1  # in a thinker deploy (BAGEL's bagel.yaml): stage 0 the thinker, stage 1 the DiT
 FP32_ATTENTION = {"default": {"backend": "TORCH_SDPA"}}  # vllm-omni's attention config for fp32 on CUDA
 
 
@@ -97,12 +98,15 @@ class VllmOmniEngine:
 
     def __init__(self, model_path: str | os.PathLike, *, family: str = "qwen_image", dtype: str = "float32",
                  batched_groups: bool = True, max_num_seqs: int = 1, engine_kwargs: dict | None = None,
-                 compile=None, merge_lora: bool = False, lora_targets: tuple[str, ...] = ()):
+                 compile=None, merge_lora: bool = False, lora_targets: tuple[str, ...] = (),
+                 thinker_stage: bool = False):
         """compile: a `model.compile` section. On CUDA vllm-omni compiles the transformer's blocks itself unless
         told `enforce_eager`, which follows the section; its CPU platform runs eager either way. merge_lora: fold
         each published adapter into the weights (merge.py) instead of serving it through vLLM's LoRA layers; the
         weights then change between groups, never during one; lora_targets: the run's adapters' target modules,
-        whose base weights a merging engine starts reading at its start (the first fold then waits for nothing)."""
+        whose base weights a merging engine starts reading at its start (the first fold then waits for nothing);
+        thinker_stage: the family's two-stage deploy (BAGEL: a thinker prefills the prompt, the DiT denoises on its
+        KV; text to image, CUDA only), our pipeline and worker extension in the DiT stage."""
         self.model_path = str(Path(model_path).resolve())
         self.family = family
         self.face = get_family(family)  # looked up once: every request asks it for its guidance fields
@@ -115,6 +119,12 @@ class VllmOmniEngine:
                              "serve it unmerged (rollout.merge_lora=false)")
         self.merge_lora = merge_lora
         self.lora_targets = tuple(lora_targets)
+        if thinker_stage and not self.recipe.thinker_deploy_config:
+            raise ValueError(f"thinker_stage: vllm-omni serves {family} without a thinker stage")
+        if thinker_stage and not torch.cuda.is_available():
+            raise ValueError("thinker_stage: vllm-omni runs a thinker (vLLM's AR worker) on CUDA only; on this "
+                             "machine use rollout.thinker_stage=false (the DiT builds every context itself)")
+        self.thinker_stage = thinker_stage
         self._swaps = _SwapGate()
         self._swap_s = None  # the last publication's engine-side seconds, told by the next group (adapter_swap_s)
         self.engine_kwargs = dict(engine_kwargs or {})
@@ -143,7 +153,7 @@ class VllmOmniEngine:
         """The engine of a run config's model and rollout sections."""
         return cls(model.path, family=model.family, dtype=model.dtype, batched_groups=rollout.batched_groups,
                    max_num_seqs=rollout.max_num_seqs, compile=model.compile, merge_lora=rollout.merge_lora,
-                   lora_targets=tuple(model.lora_targets))
+                   lora_targets=tuple(model.lora_targets), thinker_stage=rollout.thinker_stage)
 
     @property
     def merged_base_on(self) -> str | None:
@@ -161,15 +171,24 @@ class VllmOmniEngine:
             import vllm_omni
             from vllm_omni import AsyncOmni
 
-            kwargs = {"max_num_seqs": self.max_num_seqs}
-            if self.recipe.deploy_config:  # it sets max_num_seqs itself (BAGEL's: one request per forward)
-                kwargs = {"deploy_config": str(Path(vllm_omni.__file__).parent / "deploy" / self.recipe.deploy_config)}
-            # the pipeline by name: vllm-omni imports it in its worker process
+            kwargs = {"max_num_seqs": self.max_num_seqs, "worker_extension_cls": WORKER_EXTENSION}
+            deploy = self.recipe.thinker_deploy_config if self.thinker_stage else self.recipe.deploy_config
+            if deploy:  # it sets max_num_seqs itself (BAGEL's: one request per forward)
+                kwargs = {"deploy_config": str(Path(vllm_omni.__file__).parent / "deploy" / deploy),
+                          "worker_extension_cls": WORKER_EXTENSION}
+            if self.thinker_stage:  # our extension in the DiT stage only: vLLM's AR worker has an update_weights
+                kwargs[f"stage_{THINKER_DIT_STAGE}_worker_extension_cls"] = kwargs.pop("worker_extension_cls")
+            # the pipeline by name: vllm-omni imports it in its worker process (a DiT stage's only)
             self._omni = AsyncOmni(model=self.model_path, dtype=self.dtype,
                                    custom_pipeline_args={"pipeline_class": self.recipe.pipeline_class},
-                                   worker_extension_cls=WORKER_EXTENSION, **kwargs, **self.engine_kwargs)
+                                   **kwargs, **self.engine_kwargs)
             if self.merge_lora and self.lora_targets:
-                _first_result(await self._omni.collective_rpc("keep_lora_base", args=(list(self.lora_targets),)))
+                await self._rpc("keep_lora_base", list(self.lora_targets))
+
+    async def _rpc(self, method: str, *args):
+        """One of our worker methods (worker.py) in the stage that holds the DiT; its answer, or WorkerError."""
+        stages = [THINKER_DIT_STAGE] if self.thinker_stage else None
+        return _first_result(await self._omni.collective_rpc(method, args=args, stage_ids=stages))
 
     def _sampling_params(self, request: GenerationRequest, seed: int, n: int, offset: int, version: int):
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -190,19 +209,45 @@ class VllmOmniEngine:
 
     async def _run(self, request: GenerationRequest, params, kind: str = "flowgrpo"):
         """The final output of one vllm-omni request for `request`'s prompt (and negative prompt under CFG)."""
-        prompt = {"prompt": request.prompt}
-        if request.do_cfg:  # BAGEL: "" is the empty context (upstream's text-unconditional branch)
-            prompt["negative_prompt"] = request.negative_prompt
-        if request.is_edit:
-            from PIL import Image
+        if self.thinker_stage:
+            stream = self._omni.generate(self._thinker_prompt(request), request_id=f"{kind}-{next(self._ids)}",
+                                         sampling_params_list=self._stage_params(params), output_modalities=["image"])
+        else:
+            prompt = {"prompt": request.prompt}
+            if request.do_cfg:  # BAGEL: "" is the empty context (upstream's text-unconditional branch)
+                prompt["negative_prompt"] = request.negative_prompt
+            if request.is_edit:
+                from PIL import Image
 
-            prompt["multi_modal_data"] = {"img2img": Image.fromarray(request.image.numpy())}
+                prompt["multi_modal_data"] = {"img2img": Image.fromarray(request.image.numpy())}
+            stream = self._omni.generate(prompt, params, request_id=f"{kind}-{next(self._ids)}")
         final = None
-        async for out in self._omni.generate(prompt, params, request_id=f"{kind}-{next(self._ids)}"):
+        async for out in stream:
             final = out
         if final is None or (kind == "flowgrpo" and final.trajectory_latents is None):
             raise RuntimeError(f"vllm-omni returned no {'trajectory' if final else 'output'} for {request.prompt!r}")
         return final
+
+    @staticmethod
+    def _thinker_prompt(request: GenerationRequest) -> dict:
+        """The prompt as a thinker deploy takes it: the chat wrapping its tokenizer turns into BAGEL's bos and eos
+        (the ids the DiT's own tokenization gives), `modalities: ["image"]` for its CFG companions; a negative
+        prompt is sent as it is, so it comes wrapped (an empty one: no companion, the empty context, as upstream)."""
+        if request.is_edit:
+            raise RequestError("image", "an input image", "a thinker stage builds an edit's image context itself "
+                               "(a sampled VAE latent, its own resize, no LoRA) and the trainer cannot rebuild it: "
+                               "send text-to-image requests, or serve with rollout.thinker_stage=false")
+        prompt = {"prompt": f"<|im_start|>{request.prompt}<|im_end|>", "modalities": ["image"]}
+        if request.do_cfg and request.negative_prompt:
+            prompt["negative_prompt"] = f"<|im_start|>{request.negative_prompt}<|im_end|>"
+        return prompt
+
+    def _stage_params(self, params) -> list:
+        """Every stage's sampling parameters: the deploy's own for the thinker (it stops after its prefill), ours
+        for the DiT."""
+        stages = list(self._omni.default_sampling_params_list)
+        stages[THINKER_DIT_STAGE] = params
+        return stages
 
     async def generate(self, request: GenerationRequest) -> Trajectory:
         if not isinstance(request, GenerationRequest):
@@ -276,8 +321,7 @@ class VllmOmniEngine:
                 return 0
             began = time.perf_counter()
             tensors, peft_config = LORA_DELIVERIES[self.recipe.lora_delivery](adapter, self.recipe)
-            staged = _first_result(await self._omni.collective_rpc("stage_lora",
-                                                                  args=(adapter.version, tensors, peft_config)))
+            staged = await self._rpc("stage_lora", adapter.version, tensors, peft_config)
             if staged != len(tensors):
                 raise RuntimeError(f"the worker did not stage LoRA version {adapter.version}: {staged!r}")
             self._swap_s = time.perf_counter() - began  # staged; vLLM loads it inside the next group
@@ -291,7 +335,7 @@ class VllmOmniEngine:
         scale = adapter.alpha / adapter.rank if adapter is not None else 0.0
         async with self._swaps.swap():
             began = time.perf_counter()
-            merged = _first_result(await self._omni.collective_rpc("merge_lora", args=(layers, scale)))
+            merged = await self._rpc("merge_lora", layers, scale)
             if merged != len(layers):
                 raise RuntimeError(f"the worker folded {merged!r} of the adapter's {len(layers)} layers")
             self._swap_s = time.perf_counter() - began
@@ -307,11 +351,11 @@ class VllmOmniEngine:
                                       "LoRA (published with load_lora)")
         await self.start()
         items = [(PIPELINE_PREFIX + transformer_key(k), v) for k, v in named_tensors.items()]  # vllm-omni's names
-        return int(_first_result(await self._omni.collective_rpc("update_weights", args=(items,))))
+        return int(await self._rpc("update_weights", items))
 
     async def transformer_checksum(self) -> float:
         await self.start()
-        return float(_first_result(await self._omni.collective_rpc("transformer_checksum")))
+        return float(await self._rpc("transformer_checksum"))
 
     async def health(self) -> dict:
         return {"kind": self.kind, "family": self.family, "model": self.model_path, "started": self._omni is not None,

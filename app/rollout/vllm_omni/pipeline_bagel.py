@@ -64,6 +64,15 @@ shrink_warmup(_tiny_bagel)
 SCHEDULE_TOLERANCE = 1e-6  # vllm-omni's σ schedule (float32) against ours
 
 
+def _prompt_text(prompt) -> str:
+    return prompt if isinstance(prompt, str) else (prompt.get("prompt") or "")
+
+
+def _strip_chat(text: str) -> str:
+    """A prompt without the chat wrapping a thinker deploy's prompts carry (the pipeline strips it too)."""
+    return text.removeprefix("<|im_start|>").removesuffix("<|im_end|>")
+
+
 @dataclass
 class _Conditioning:
     """What one request's contexts were built from, as the pipeline built them."""
@@ -145,13 +154,33 @@ class FlowGRPOBagelPipeline(BagelPipeline):
         bagel.prepare_prompts, bagel.prepare_vae_images = recorded_prompts, recorded_vae_images
         bagel.prepare_vit_images, vae.encode = recorded_vit_images, recorded_encode
 
+    def _record_thinker_contexts(self, prompt, prepared: dict) -> None:
+        """A thinker stage prefilled the contexts and handed their KV over (vllm-omni's two-stage deploy): nothing
+        was tokenized here, so the token ids the trainer rebuilds them from are taken now, by the tokenization the
+        single stage runs, and checked against the KV's own lengths (a thinker that tokenized otherwise fails
+        here, not in the trainer). Text to image only: a thinker builds an edit's image context itself."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise ValueError("a thinker stage's edit context cannot be recorded (its VAE latent is sampled): serve "
+                             "edits with the single-stage deploy")
+        texts = {"gen_context": _strip_chat(_prompt_text(prompt))}
+        negative = _strip_chat(prompt.get("negative_prompt") or "") if isinstance(prompt, dict) else ""
+        if negative:  # an empty negative prompt is the empty context: nothing to record
+            texts["cfg_text_context"] = negative
+        for context, text in texts.items():
+            ids = self.bagel.prepare_prompts(curr_kvlens=[0], curr_rope=[0], prompts=[text], tokenizer=self.tokenizer,
+                                             new_token_ids=self.new_token_ids)[0]["packed_text_ids"]  # recorded
+            kv_len = int(prepared[context]["kv_lens"][0])
+            if kv_len != len(ids):
+                raise RuntimeError(f"the thinker's {context} holds {kv_len} tokens, its text {text!r} tokenizes to "
+                                   f"{len(ids)} here: the trainer could not rebuild that context")
+
     def _conditioning_tensors(self, rec: _Conditioning, prompt, sampling) -> dict[str, torch.Tensor]:
         """The request's `Trajectory.conditioning` (app/models/bagel/context.py names)."""
-        text = prompt if isinstance(prompt, str) else (prompt.get("prompt") or "")
-        text = text.removeprefix("<|im_start|>").removesuffix("<|im_end|>")  # as the pipeline strips it
+        text = _strip_chat(_prompt_text(prompt))  # as the pipeline strips it
         negative = prompt.get("negative_prompt") if isinstance(prompt, dict) else None
         if negative is None:
             negative = (sampling.extra_args or {}).get("negative_prompt", "")
+        negative = _strip_chat(negative)
         out = {"prompt_ids": rec.token_ids[text],
                "image_tokens": torch.tensor([self.new_token_ids["start_of_image"],
                                              self.new_token_ids["end_of_image"]])}
@@ -197,10 +226,12 @@ class FlowGRPOBagelPipeline(BagelPipeline):
         rec = self._conditioning = _Conditioning()
         try:
             prepared = self._forward_single(prompt, sampling, prepare_only=True)
+            if isinstance(prepared, dict) and sampling.past_key_values is not None:
+                self._record_thinker_contexts(prompt, prepared)
         finally:
             self._conditioning = None
         if not isinstance(prepared, dict):
-            raise ValueError("a FlowGRPO request must ask for an image (not text, think or injected-KV modes)")
+            raise ValueError("a FlowGRPO request must ask for an image (not text or think modes)")
         params, inputs = prepared["gen_params"], dict(prepared["generation_input"])
         sigmas = schedule(params.num_timesteps, params.timestep_shift)
         n = sampling.num_outputs_per_prompt if sampling.num_outputs_per_prompt > 0 else 1

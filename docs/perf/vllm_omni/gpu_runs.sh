@@ -6,7 +6,8 @@
 #   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE
 # FAMILY: qwen_image | sd3 | bagel; ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
 # (vllm-omni: its regional torch.compile, the adapter in vLLM's LoRA layers; ours: compiled blocks, the adapter
-# folded in where the config folds it) | merged (vllm-omni compiled with the adapter folded in: rollout.merge_lora).
+# folded in where the config folds it) | merged (vllm-omni compiled with the adapter folded in: rollout.merge_lora)
+# | thinker (BAGEL on vllm-omni's two-stage deploy, eager: rollout.thinker_stage).
 # vllm-omni's benches also score their first group with the trainer's code once the engine closed (--mismatch).
 # MODELS=/dir keeps one real-size checkpoint at a time (the machine's disk holds 64 GiB).
 set -uo pipefail
@@ -33,7 +34,7 @@ case "$1" in
   tests)  # every family's engine tests on vllm-omni's CUDA platform (`-m gpu` selects them on a GPU machine)
     timeout ${TESTS_TIMEOUT:-1500} python -m pytest -p no:cacheprovider -m gpu -rA --tb=short --durations=0 \
       tests/rollout/test_vllm_omni_engine.py tests/rollout/test_sd3_engines.py tests/rollout/test_vllm_omni_bagel.py \
-      > "$OUT/gpu_tests.txt" 2>&1
+      tests/rollout/test_bagel_thinker.py > "$OUT/gpu_tests.txt" 2>&1
     echo "pytest exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -n 40 ;;
   sd3diag)  # the building blocks where vllm-omni's SD3 and diffusers' differ, fp32 on the GPU
     python docs/perf/vllm_omni/sd3_kernels.py 2>&1 | tail -n 40 | tee "$OUT/sd3_kernels.txt" ;;
@@ -50,7 +51,8 @@ case "$1" in
     [ $engine = local ] && engine=${LOCAL[$family]}
     merge=false; [ $mode = merged ] && merge=true
     args=(--adapter); [ $engine = vllm_omni ] && args+=(--mismatch rollout.merge_lora=$merge)
-    compiled=false; [ $mode != eager ] && compiled=true
+    [ $mode = thinker ] && args+=(rollout.thinker_stage=true)  # BAGEL's two-stage deploy, eager
+    compiled=false; [ $mode != eager ] && [ $mode != thinker ] && compiled=true
     timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_rollout --config ${CFG[$family]} --groups ${NGROUPS[$family]} \
       --repeats 2 --batched-only "${args[@]}" model.path="$MODELS/$family" rollout.engine=$engine \
       model.compile.enabled=$compiled model.compile.cache_dir=$CACHE ${SET[$family]} "${EXTRA[@]}" 2>"$OUT/$name.err" | tail -1 \
