@@ -171,13 +171,14 @@ class VllmOmniEngine:
             import vllm_omni
             from vllm_omni import AsyncOmni
 
-            kwargs = {"max_num_seqs": self.max_num_seqs, "worker_extension_cls": WORKER_EXTENSION}
+            kwargs = {"max_num_seqs": self.max_num_seqs}
             deploy = self.recipe.thinker_deploy_config if self.thinker_stage else self.recipe.deploy_config
             if deploy:  # it sets max_num_seqs itself (BAGEL's: one request per forward)
-                kwargs = {"deploy_config": str(Path(vllm_omni.__file__).parent / "deploy" / deploy),
-                          "worker_extension_cls": WORKER_EXTENSION}
-            if self.thinker_stage:  # our extension in the DiT stage only: vLLM's AR worker has an update_weights
-                kwargs[f"stage_{THINKER_DIT_STAGE}_worker_extension_cls"] = kwargs.pop("worker_extension_cls")
+                kwargs = {"deploy_config": str(Path(vllm_omni.__file__).parent / "deploy" / deploy)}
+            # our extension in the DiT's stage; beside a thinker in that stage only (vLLM's AR worker has its own
+            # update_weights)
+            extension = f"stage_{THINKER_DIT_STAGE}_" if self.thinker_stage else ""
+            kwargs[f"{extension}worker_extension_cls"] = WORKER_EXTENSION
             # the pipeline by name: vllm-omni imports it in its worker process (a DiT stage's only)
             self._omni = AsyncOmni(model=self.model_path, dtype=self.dtype,
                                    custom_pipeline_args={"pipeline_class": self.recipe.pipeline_class},
