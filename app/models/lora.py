@@ -93,6 +93,12 @@ def export_lora(transformer, *, version: int, adapter_name: str = ADAPTER_NAME) 
                        version=version)
 
 
+def targeted(module_name: str, target_modules) -> bool:
+    """Whether a LoRA on `target_modules` (a list) adapts the module `module_name`: peft's rule, the name is a
+    target or ends with "." and one."""
+    return any(module_name == t or module_name.endswith("." + t) for t in target_modules)
+
+
 def target_layers(module, target_modules) -> dict[str, torch.Tensor]:
     """{name: weight} of `module`'s linear layers that a LoRA on `target_modules` adapts, by peft's own matching
     rule, in module order (plain Linears, or peft's wrappers of them in a live engine)."""
@@ -198,11 +204,8 @@ def adapter_problem(adapter: LoraAdapter, *, family, rank: int, targets: list[st
                 f"{family.name}'s {list(family.adapter_roots)}): evaluate it with a config of its family")
     if adapter.rank != rank:
         return f"has LoRA rank {adapter.rank}; the config's model.lora_rank={rank}: set model.lora_rank={adapter.rank}"
-    def matches(module: str, target: str) -> bool:
-        return module == target or module.endswith("." + target)
-
-    untargeted = [m for m in modules if not any(matches(m, t) for t in targets)]
-    missing = [t for t in targets if not any(matches(m, t) for m in modules)]
+    untargeted = [m for m in modules if not targeted(m, targets)]
+    missing = [t for t in targets if not any(targeted(m, [t]) for m in modules)]
     if untargeted or missing:
         what = (f"trains {untargeted[0]!r}, which model.lora_target_modules={targets} does not name" if untargeted
                 else f"does not train {missing[0]!r}, which model.lora_target_modules={targets} names")

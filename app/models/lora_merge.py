@@ -56,6 +56,36 @@ def auto_keep_on(copy_bytes: int, free_bytes: int | None) -> str:
     return "device" if free_bytes is None or copy_bytes <= AUTO_DEVICE_SHARE * free_bytes else "host"
 
 
+class KeptAhead:
+    """Base copies taken in a background thread before the first adapter (`keep_ahead`); `wait()` before the weights
+    change. A failure is logged and left to the first fold, which takes what is missing as it would have anyway."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+
+    def start(self, keep, names: list[str]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, args=(keep, names), name="lora-base-copies",
+                                            daemon=True)
+            self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @staticmethod
+    def _run(keep, names: list[str]) -> None:
+        try:
+            with torch.no_grad():
+                keep(names)
+        except Exception:
+            logging.getLogger(__name__).exception("taking the base weights' copies ahead failed")
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
 class MergedLora:
     """Folds one adapter at a time into `module`'s weights; `apply(None)` is the base model again."""
 
@@ -67,7 +97,7 @@ class MergedLora:
         self.base: dict[str, torch.Tensor] = {}  # module name -> W0, taken before its first merge
         self.merged: set[str] = set()  # the layers holding W0 + (α/r)·B·A now
         self.adapter: LoraAdapter | None = None
-        self._ahead: threading.Thread | None = None  # taking host copies before the first adapter (keep_ahead)
+        self._ahead = KeptAhead()  # host copies taken before the first adapter (keep_ahead)
 
     def keep_ahead(self, names) -> None:
         """Take the base copies of the layers `names` (those the run's adapters adapt) in a background thread where
@@ -76,32 +106,19 @@ class MergedLora:
         copy is quick and still waits for the first adapter, as "auto" does. The weights do not change before the
         first `apply`, which waits for the thread."""
         names = list(names)
-        if not names or self._ahead is not None:
+        if not names:
             return
-        if self.keep_on == "auto":
-            weights = [self._weight(name) for name in names]
-            if weights[0].device.type != "cuda":
-                return
-            copy_bytes = sum(w.numel() * w.element_size() for w in weights)
-            if auto_keep_on(copy_bytes, torch.cuda.mem_get_info(weights[0].device)[0]) != "host":
-                return
+        if self.keep_on == "auto" and self._auto_choice(names) == "host":
             self.keep_on = "host"
-        if self.keep_on != "host":
-            return
-        self._ahead = threading.Thread(target=self._keep_all, args=(names,), name="lora-base-copies", daemon=True)
-        self._ahead.start()
+        if self.keep_on == "host":
+            self._ahead.start(self._keep_all, names)
 
     def _keep_all(self, names: list[str]) -> None:
-        try:
-            with torch.no_grad():
-                for name in names:
-                    self._keep(name)
-        except Exception:  # the first apply takes what is missing, as without keep_ahead
-            logging.getLogger(__name__).exception("taking the base weights' host copies ahead failed")
+        for name in names:
+            self._keep(name)
 
     def _wait_ahead(self) -> None:
-        if self._ahead is not None:
-            self._ahead.join()
+        self._ahead.wait()
 
     def _check(self, layers: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Every layer exists, is a plain weight matrix and fits its A and B; nothing is changed before this
@@ -120,12 +137,16 @@ class MergedLora:
     def _weight(self, name: str) -> torch.Tensor:
         return self.module.get_submodule(name).weight
 
-    def _choose_keep_on(self, names) -> None:
-        """`keep_on="auto"`, decided for the weights of `names` (the first adapter's layers)."""
+    def _auto_choice(self, names) -> str:
+        """What "auto" answers for the copies of the weights of `names`, by the GPU's free memory now."""
         weights = [self._weight(name) for name in names]
         copy_bytes = sum(w.numel() * w.element_size() for w in weights)
         device = weights[0].device
-        self.keep_on = auto_keep_on(copy_bytes, torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
+        return auto_keep_on(copy_bytes, torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
+
+    def _choose_keep_on(self, names) -> None:
+        """`keep_on="auto"`, decided for the weights of `names` (the first adapter's layers)."""
+        self.keep_on = self._auto_choice(names)
 
     def _keep(self, name: str) -> torch.Tensor:
         if name not in self.base:

@@ -215,7 +215,7 @@ def test_keeping_ahead_waits_for_the_first_adapter_where_the_copy_could_go_to_th
     taken ahead, and "auto" still decides at the first adapter."""
     merged = MergedLora(Net(torch.float32), keep_on="auto")
     merged.keep_ahead(LAYERS)
-    assert merged._ahead is None and merged.keep_on == "auto" and not merged.base
+    assert not merged._ahead.started and merged.keep_on == "auto" and not merged.base
     merged = MergedLora(Net(torch.float32), keep_on="device")
     merged.keep_ahead(LAYERS)
-    assert merged._ahead is None and not merged.base
+    assert not merged._ahead.started and not merged.base

@@ -25,7 +25,7 @@ def test_the_base_weights_read_ahead_are_the_checkpoints_and_the_first_fold_uses
     layers = checkpoint_layers(merge.folder, TARGETS)
     assert layers and all(n.endswith(".to_q") or n.endswith(".img_mlp.net.2") for n in layers)
     assert merge.keep_ahead(TARGETS) == len(layers)
-    merge._ahead.join()
+    merge._ahead.wait()
     stored = read_checkpoint_tensors(merge.folder, [f"{n}.weight" for n in layers])
     assert set(merge.base) == set(layers)
     assert all(torch.equal(merge.base[n], stored[f"{n}.weight"]) for n in layers)

@@ -234,13 +234,15 @@ class VllmOmniEngine:
         """The prompt as a thinker deploy takes it: the chat wrapping its tokenizer turns into BAGEL's bos and eos
         (the ids the DiT's own tokenization gives), `modalities: ["image"]` for its CFG companions; a negative
         prompt is sent as it is, so it comes wrapped (an empty one: no companion, the empty context, as upstream)."""
+        from app.models.bagel.context import BOS, EOS
+
         if request.is_edit:
             raise RequestError("image", "an input image", "a thinker stage builds an edit's image context itself "
                                "(a sampled VAE latent, its own resize, no LoRA) and the trainer cannot rebuild it: "
                                "send text-to-image requests, or serve with rollout.thinker_stage=false")
-        prompt = {"prompt": f"<|im_start|>{request.prompt}<|im_end|>", "modalities": ["image"]}
+        prompt = {"prompt": f"{BOS}{request.prompt}{EOS}", "modalities": ["image"]}
         if request.do_cfg and request.negative_prompt:
-            prompt["negative_prompt"] = f"<|im_start|>{request.negative_prompt}<|im_end|>"
+            prompt["negative_prompt"] = f"{BOS}{request.negative_prompt}{EOS}"
         return prompt
 
     def _stage_params(self, params) -> list:

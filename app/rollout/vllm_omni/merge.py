@@ -16,14 +16,12 @@ trainer (`train.old_logprob: trainer` or `recompute`), as with the in-process en
 from __future__ import annotations
 
 import json
-import logging
-import threading
 from pathlib import Path
 
 import torch
 
-from app.models.lora import PIPELINE_PREFIX
-from app.models.lora_merge import folded
+from app.models.lora import PIPELINE_PREFIX, targeted
+from app.models.lora_merge import KeptAhead, folded
 
 
 def _weight_map(folder: Path) -> dict[str, str]:
@@ -44,7 +42,7 @@ def checkpoint_layers(folder: str | Path, target_modules) -> list[str]:
     """The layers of a diffusers model folder whose weights a LoRA on `target_modules` adapts (peft's rule: the
     layer's name is a target or ends with "." and one)."""
     names = [key.removesuffix(".weight") for key in _weight_map(Path(folder)) if key.endswith(".weight")]
-    return [n for n in names if any(n == t or n.endswith("." + t) for t in target_modules)]
+    return [n for n in names if targeted(n, target_modules)]
 
 
 def read_checkpoint_tensors(folder: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -76,24 +74,16 @@ class CheckpointMerge:
         self.dtype, self.device = dtype, device
         self.base: dict[str, torch.Tensor] = {}  # layer name -> W0 [out, in], host memory, the engine's dtype
         self.merged: set[str] = set()  # the layers holding W0 + (α/r)·B·A now
-        self._ahead: threading.Thread | None = None  # reading the base weights before the first adapter
+        self._ahead = KeptAhead()  # reading the base weights before the first adapter
 
     def keep_ahead(self, target_modules) -> int:
         """Read the base weights of every layer a LoRA on `target_modules` adapts into host memory in a background
         thread, so that the first fold waits for nothing (27 GB for Qwen-Image's 12 targets: about 27 s on an H100
         host); returns how many layers. The first `apply` waits for the thread."""
         names = checkpoint_layers(self.folder, target_modules)
-        if names and self._ahead is None:
-            self._ahead = threading.Thread(target=self._keep_quietly, args=(names,), name="lora-base-copies",
-                                           daemon=True)
-            self._ahead.start()
+        if names:
+            self._ahead.start(self._keep, names)
         return len(names)
-
-    def _keep_quietly(self, names: list[str]) -> None:
-        try:
-            self._keep(names)
-        except Exception:  # the first apply reads what is missing, as without keep_ahead
-            logging.getLogger(__name__).exception("reading the base weights ahead failed")
 
     def _keep(self, names) -> None:
         new = [n for n in names if n not in self.base]
@@ -135,8 +125,7 @@ class CheckpointMerge:
     def apply(self, layers: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> int:
         """Fold the adapter {layer: (A [r, in], B [out, r])} in at `scale` = α/r ({}: the base model), replacing the
         one folded in before; returns how many layers hold an adapter. A failure halfway leaves the base model."""
-        if self._ahead is not None:
-            self._ahead.join()
+        self._ahead.wait()
         self._check(layers)
 
         def restored(name):

@@ -34,6 +34,7 @@ from vllm_omni.diffusion.models.bagel.pipeline_bagel import BagelPipeline
 
 from app.algo.sampling import TrajectoryRecorder
 from app.algo.sde_window import noise_levels
+from app.models.bagel.context import BOS, EOS
 from app.models.bagel.flux_ae import TINY_AE_KEY
 from app.models.bagel.model import initial_latents, patchify, schedule
 from app.platform.vllm_omni import bagel_cpu
@@ -70,7 +71,7 @@ def _prompt_text(prompt) -> str:
 
 def _strip_chat(text: str) -> str:
     """A prompt without the chat wrapping a thinker deploy's prompts carry (the pipeline strips it too)."""
-    return text.removeprefix("<|im_start|>").removesuffix("<|im_end|>")
+    return text.removeprefix(BOS).removesuffix(EOS)
 
 
 @dataclass
