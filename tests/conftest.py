@@ -105,6 +105,14 @@ def tiny_bagel_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_bagel_full_ae_dir() -> Path:
+    """The tiny BAGEL with the real autoencoder (321 MB): the checkpoint vllm-omni's thinker stage can load."""
+    from app.models.bagel.tiny import build_tiny_bagel_full_ae
+
+    return build_tiny_bagel_full_ae(TINY_CACHE / "tiny-bagel-full-ae", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_clip_dir() -> Path:
     """The tiny CLIP reward model (PickScore's, CLIPScore's and the aesthetic score's architecture) and its aesthetic
     head, built once into the cache folder."""

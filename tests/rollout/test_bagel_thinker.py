@@ -3,6 +3,10 @@ KV to our DiT pipeline. The thinker runs on CUDA only (vLLM's AR worker; none on
 the engine sends it, and what the pipeline records from a thinker's contexts (their KV lengths stand in for the
 thinker), against the ids the trainer rebuilds the contexts from. The GPU run: docs/perf/vllm_omni/README.md."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +14,7 @@ import torch
 
 from app.config import ConfigError, load
 from app.models.bagel.context import BOS, EOS, text_conditioning, tokenizer_of
+from app.models.bagel.flux_ae import TINY_AE_KEY
 from app.rollout.vllm_omni.engine import VllmOmniEngine
 from app.types import GenerationRequest, RequestError
 
@@ -31,7 +36,7 @@ def test_the_thinker_gets_the_chat_wrapped_prompt_and_an_image_modality():
         VllmOmniEngine._thinker_prompt(_request(image=torch.zeros(64, 64, 3, dtype=torch.uint8)))
 
 
-def test_a_thinker_stage_is_bagels_on_vllm_omni_and_needs_cuda(tiny_bagel_dir):
+def test_a_thinker_stage_is_bagels_on_vllm_omni_and_needs_cuda(tiny_bagel_dir, tmp_path):
     config = load(f"{CONFIGS}/tiny_bagel_cpu.yaml", ["rollout.engine=vllm_omni", "rollout.thinker_stage=true",
                                                       "train.old_logprob=recompute"])
     assert config.rollout.thinker_stage
@@ -39,9 +44,13 @@ def test_a_thinker_stage_is_bagels_on_vllm_omni_and_needs_cuda(tiny_bagel_dir):
         load(f"{CONFIGS}/tiny_cpu.yaml", ["rollout.thinker_stage=true"])
     with pytest.raises(ConfigError, match="rollout.thinker_stage=false"):
         load(f"{CONFIGS}/tiny_bagel_cpu.yaml", ["rollout.engine=bagel", "rollout.thinker_stage=true"])
-    if not torch.cuda.is_available():
+    with pytest.raises(ValueError, match="tiny-bagel-full-ae"):  # the thinker's model cannot load its autoencoder
+        VllmOmniEngine(tiny_bagel_dir, family="bagel", thinker_stage=True)
+    if not torch.cuda.is_available():  # a checkpoint with the real autoencoder: its config.json is all that is read
+        config_json = json.loads((tiny_bagel_dir / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config_json.items() if k != TINY_AE_KEY}))
         with pytest.raises(ValueError, match="CUDA only"):
-            VllmOmniEngine(tiny_bagel_dir, family="bagel", thinker_stage=True)
+            VllmOmniEngine(tmp_path, family="bagel", thinker_stage=True)
 
 
 def _pipeline_stand_in(tokenizer):
@@ -82,18 +91,33 @@ def test_a_thinkers_contexts_are_recorded_as_the_trainer_rebuilds_them(tiny_bage
         FlowGRPOBagelPipeline._record_thinker_contexts(pipe, {**prompt, "multi_modal_data": {"img2img": 0}}, thinker)
 
 
+@pytest.mark.slow
+def test_the_thinkers_own_model_loads_the_checkpoint_with_the_real_autoencoder(tiny_bagel_full_ae_dir, tiny_bagel_dir):
+    """vllm-omni's thinker is its own model (vLLM's AR BAGEL), which builds the autoencoder's encoder at the real
+    checkpoint's geometry whatever config.json declares: the tiny autoencoder cannot load into it (the first GPU run
+    failed so), the real one can; built and loaded here on the CPU, as its worker does on CUDA."""
+    def load(checkpoint):
+        return subprocess.run([sys.executable, str(Path(__file__).parent / "thinker_model_load.py"), str(checkpoint)],
+                              capture_output=True, text=True, timeout=600)
+
+    done = load(tiny_bagel_full_ae_dir)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+    refused = load(tiny_bagel_dir)
+    assert refused.returncode != 0 and "Attempted to load weight" in refused.stderr, refused.stderr[-2000:]
+
+
 @pytest.mark.gpu  # vllm-omni's thinker (vLLM's AR worker) runs on CUDA only: `pytest -m gpu` on a GPU machine
-def test_a_thinker_stage_samples_groups_the_trainer_rescores(tiny_bagel_dir, vllm_engines, aio):
+def test_a_thinker_stage_samples_groups_the_trainer_rescores(tiny_bagel_full_ae_dir, vllm_engines, aio):
     """The two-stage deploy end to end: the thinker prefills, our DiT pipeline samples a group on its KV and records
     the ids the trainer rebuilds the contexts from (the single stage's), and the trainer's fp32 recompute is as
     close to vllm-omni's bf16 log-probs as the single stage's (test_vllm_omni_bagel.py's bound)."""
     from test_vllm_omni_bagel import RECOMPUTE_BOUND, request, trainer_log_probs
 
-    engine = vllm_engines.get(tiny_bagel_dir, family="bagel", thinker_stage=True)
+    engine = vllm_engines.get(tiny_bagel_full_ae_dir, family="bagel", thinker_stage=True)
     traj = aio(engine.generate(request(edit=False, cfg=True)))
-    ours = text_conditioning(tokenizer_of(str(tiny_bagel_dir)), traj.prompt, None)
+    ours = text_conditioning(tokenizer_of(str(tiny_bagel_full_ae_dir)), traj.prompt, None)
     assert torch.equal(traj.conditioning["prompt_ids"], ours["prompt_ids"])
     assert traj.latents.shape == (2, 4, 16, 64) and torch.isfinite(traj.log_probs).all()
-    gap = (trainer_log_probs(tiny_bagel_dir, traj) - traj.log_probs).abs()
+    gap = (trainer_log_probs(tiny_bagel_full_ae_dir, traj) - traj.log_probs).abs()
     print(f"thinker + DiT (vllm-omni bf16) against the trainer's fp32: max |Δ log-prob| {float(gap.max()):.2e}")
     assert 0 < gap.max() <= RECOMPUTE_BOUND

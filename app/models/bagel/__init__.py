@@ -121,6 +121,9 @@ FAMILY = Bagel(
                              weight_updates=False),
     presets={"tiny-bagel": Preset("app.models.bagel.tiny:build_tiny_bagel", "the BAGEL-7B-MoT layout (upstream "
                                   "file and tensor names) at a tiny size, fp32, ~17 MB, CPU"),
+             "tiny-bagel-full-ae": Preset("app.models.bagel.tiny:build_tiny_bagel_full_ae", "the tiny BAGEL with "
+                                          "the real 84M-parameter autoencoder: what vllm-omni's thinker stage loads "
+                                          "(CUDA)"),
              "bagel-real-width": Preset("app.models.bagel.real_width:build_real_width_bagel", "BAGEL-7B-MoT's LLM "
                                         "width (3584, both experts), random, bf16, built on the GPU", "layers", 4,
                                         "decoder layers (default 4, real: 28)")},

@@ -84,6 +84,16 @@ def build_tiny_bagel(out_dir: str | os.PathLike, seed: int = 0, *, overwrite: bo
     return write_build(out, wanted, lambda staging: save_bagel(staging, seed), overwrite=overwrite)
 
 
+def build_tiny_bagel_full_ae(out_dir: str | os.PathLike, seed: int = 0, *, overwrite: bool = False) -> Path:
+    """The tiny BAGEL with the real checkpoint's autoencoder (`FLUX_AE`, 84M parameters, none declared in
+    config.json): what vllm-omni's thinker stage loads. Its AR model builds the autoencoder's encoder at the real
+    geometry (vllm-omni's `default_ae_params`) whatever config.json declares, so the tiny one's tensors do not fit."""
+    out = Path(out_dir).resolve()
+    wanted = {"family": "bagel", "preset": "tiny-bagel-full-ae", "seed": seed, "builder_version": BUILDER_VERSION}
+    size = BagelSize(autoencoder=dict(FLUX_AE))
+    return write_build(out, wanted, lambda staging: save_bagel(staging, seed, size), overwrite=overwrite)
+
+
 def save_bagel(folder: Path, seed: int, size: BagelSize = BagelSize(), device: str | torch.device = "cpu") -> None:
     """Write a random BAGEL checkpoint of `size` into `folder`; the weights are drawn by one generator seeded with
     `seed` on `device` (the same seed and device type give identical files)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from app.metrics import BusyClock
+from app.models.bagel.flux_ae import TINY_AE_KEY
 from app.models.family import get_family
 from app.models.lora import PIPELINE_PREFIX, transformer_key
 from app.models.lora_merge import adapter_layers
@@ -93,6 +95,11 @@ def _images_uint8(images) -> torch.Tensor:
     return torch.from_numpy(np.stack([np.asarray(im.convert("RGB"), dtype=np.uint8) for im in images]))
 
 
+def _declares_a_small_autoencoder(model_dir: str) -> bool:
+    config = Path(model_dir, "config.json")
+    return config.is_file() and TINY_AE_KEY in json.loads(config.read_text())
+
+
 class VllmOmniEngine:
     kind = "vllm_omni"
 
@@ -121,6 +128,11 @@ class VllmOmniEngine:
         self.lora_targets = tuple(lora_targets)
         if thinker_stage and not self.recipe.thinker_deploy_config:
             raise ValueError(f"thinker_stage: vllm-omni serves {family} without a thinker stage")
+        if thinker_stage and _declares_a_small_autoencoder(self.model_path):
+            raise ValueError(f"thinker_stage: {self.model_path} declares a smaller autoencoder than BAGEL's "
+                             f"({TINY_AE_KEY} in config.json); vllm-omni's thinker builds the real one whatever the "
+                             "checkpoint declares and cannot load it: build the tiny checkpoint with `jobs."
+                             "make_tiny_models --preset tiny-bagel-full-ae`, or use rollout.thinker_stage=false")
         if thinker_stage and not torch.cuda.is_available():
             raise ValueError("thinker_stage: vllm-omni runs a thinker (vLLM's AR worker) on CUDA only; on this "
                              "machine use rollout.thinker_stage=false (the DiT builds every context itself)")

@@ -3,11 +3,14 @@
 # weights), vllm-omni beside the family's in-process engine, eager and each at its best, an adapter served. Stages run
 # through docs/perf/kernels/lease.sh (RUNS=docs/perf/vllm_omni/gpu_runs.sh), after the pinned stack was carried and
 # installed (docs/perf/vllm_omni/README.md, "A lease"):
-#   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE
+#   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE | loop MODE
 # FAMILY: qwen_image | sd3 | bagel; ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
 # (vllm-omni: its regional torch.compile, the adapter in vLLM's LoRA layers; ours: compiled blocks, the adapter
 # folded in where the config folds it) | merged (vllm-omni compiled with the adapter folded in: rollout.merge_lora)
 # | thinker (BAGEL on vllm-omni's two-stage deploy, eager: rollout.thinker_stage).
+# loop MODE: trained steps of the tiny BAGEL (fp32, with the real autoencoder) on one GPU, a vllm-omni replica and one FSDP2 rank sharing it,
+# MODE thinker (the two-stage deploy) | single (the DiT builds the contexts), text-to-image prompts (a thinker takes
+# no edits), the trainer's old log-probs: `rollout/logprob_mismatch_max` states vllm-omni's against the trainer's.
 # vllm-omni's benches also score their first group with the trainer's code once the engine closed (--mismatch).
 # MODELS=/dir keeps one real-size checkpoint at a time (the machine's disk holds 64 GiB).
 set -uo pipefail
@@ -58,5 +61,17 @@ case "$1" in
       model.compile.enabled=$compiled model.compile.cache_dir=$CACHE ${SET[$family]} "${EXTRA[@]}" 2>"$OUT/$name.err" | tail -1 \
       | sed "s/^{/{\"run\": \"$name\", /" | tee -a "$OUT/bench_rollout.jsonl"
     tail -n 3 "$OUT/$name.err" ;;
+  loop)
+    name=bagel_loop_$2; thinker=false; [ $2 = thinker ] && thinker=true
+    tiny=/tmp/tiny-bagel-full-ae  # the real autoencoder: the thinker's own model builds it whatever the checkpoint says
+    python -m jobs.make_tiny_models --preset tiny-bagel-full-ae --out $tiny 2>&1 | tail -n 1
+    timeout ${LOOP_TIMEOUT:-420} python -m jobs.train --config configs/tiny_bagel_cpu.yaml rollout.engine=vllm_omni \
+      model.path=$tiny model.build_tiny=false \
+      rollout.thinker_stage=$thinker rollout.num_replicas=1 rollout.replica_num_gpus=0.5 cluster.num_workers=1 \
+      cluster.use_gpu=true cluster.worker_num_gpus=0.5 data.prompts=ocr_tiny eval.before_train=false eval.every=0 \
+      train.num_steps=${LOOP_STEPS:-3} train.groups_per_step=2 train.checkpoint_every=0 train.old_logprob=trainer \
+      logging.image_every=0 logging.dir=/tmp/runs/$name > "$OUT/$name.log" 2>&1
+    echo "$name: exit $?"; cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
+    grep -E "\[flowgrpo\] step|Error|error" "$OUT/$name.log" | tail -n 8 ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
