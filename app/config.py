@@ -36,7 +36,8 @@ def _choices(name: str, values: tuple[str, ...]) -> type[StrEnum]:
 # Enumerated choices: OmegaConf refuses any other value and names the key; members compare equal to their strings.
 # model families (app/models/family.py's registry) and the rollout engines they run on: declared by the families
 ModelFamily = _choices("ModelFamily", FAMILY_NAMES)
-ModelFamily.__doc__ = "A folder of app/models/ (qwen_image: a diffusers Qwen-Image checkpoint; bagel: BAGEL-7B-MoT)."
+ModelFamily.__doc__ = ("A folder of app/models/ (qwen_image: a diffusers Qwen-Image checkpoint; bagel: BAGEL-7B-MoT; "
+                       "sd3: a diffusers SD3 checkpoint; flux: a diffusers FLUX.1 checkpoint).")
 
 
 class DType(StrEnum):
@@ -173,6 +174,9 @@ class RolloutConfig:
     # prompt. BAGEL: "" conditions the unguided branch on the empty context (upstream's default)
     guidance_scale: float = 1.0
     negative_prompt: str = " "
+    # a guidance-distilled model's guidance input (FLUX.1-dev: its guidance embedding, 3.5 as flow_grpo trains it):
+    # one forward a step; None for the models without one
+    embedded_guidance_scale: float | None = None
     # BAGEL only: image CFG of an edit (`cfg_img_scale`), the σ interval (lo, hi] where CFG applies, the
     # renormalisation of the guided velocity and its lower clamp, the schedule's shift
     image_guidance_scale: float = 1.0
@@ -227,6 +231,7 @@ class RolloutConfig:
             width=fields.pop("width", self.width),
             num_inference_steps=fields.pop("num_inference_steps", self.num_inference_steps),
             guidance_scale=guidance, negative_prompt=negative if guidance > 1 else None,
+            embedded_guidance_scale=fields.pop("embedded_guidance_scale", self.embedded_guidance_scale),
             noise_level=fields.pop("noise_level", self.noise_level), sde_type=fields.pop("sde_type", self.sde_type),
             image_guidance_scale=fields.pop("image_guidance_scale", self.image_guidance_scale),
             cfg_interval=tuple(fields.pop("cfg_interval", self.cfg_interval)),
@@ -551,6 +556,11 @@ def _check_app(config: AppConfig | RunConfig) -> None:
              or rollout.merged_base_on != MergedBaseOn.device,
              "rollout.merged_base_on=device: the vllm_omni engine keeps the adapted base weights in host memory "
              "(read from the checkpoint); use auto or host")
+    distilled = get_family(model.family).embedded_guidance
+    _require((rollout.embedded_guidance_scale is not None) == distilled,
+             f"rollout.embedded_guidance_scale={rollout.embedded_guidance_scale}: model.family={model.family} "
+             + ("is guidance-distilled: set its guidance input (3.5 for FLUX.1-dev)" if distilled else
+                "takes no guidance input: leave it null (rollout.guidance_scale is its CFG)"))
     _require(not rollout.thinker_stage or (rollout.engine == Engine.vllm_omni
                                             and get_family(model.family).vllm_omni.thinker_deploy_config),
              f"rollout.thinker_stage: a thinker stage is vllm-omni's two-stage deploy of BAGEL; model.family="

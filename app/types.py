@@ -72,6 +72,9 @@ class GenerationRequest:
     # context, its default)
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
+    # a guidance-distilled model's guidance input (FLUX.1-dev's guidance embedding, 3.5 in the field's recipes): one
+    # forward a step, no negative branch; None for a model without one
+    embedded_guidance_scale: float | None = None
     # the image to edit, uint8 [H, W, 3]; None: text to image (BAGEL only)
     image: torch.Tensor | None = None
     # BAGEL's other sampling settings (Qwen-Image ignores them): image CFG of an edit (cfg_img_scale), the σ
@@ -106,6 +109,10 @@ class GenerationRequest:
             _fail("guidance_scale", self.guidance_scale, "must be a number >= 1 (1 disables CFG)")
         if self.guidance_scale > 1 and self.negative_prompt is None:
             _fail("negative_prompt", None, "is required when guidance_scale > 1 (true CFG); ' ' is the usual choice")
+        if self.embedded_guidance_scale is not None and (not _is_real(self.embedded_guidance_scale)
+                                                         or self.embedded_guidance_scale < 0):
+            _fail("embedded_guidance_scale", self.embedded_guidance_scale,
+                  "must be a number >= 0 (a guidance-distilled model's guidance input) or None")
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             _fail("negative_prompt", self.negative_prompt, "must be a string or None")
         if not _is_real(self.noise_level) or self.noise_level < 0:
@@ -206,6 +213,7 @@ class Trajectory:
     # the SDE window as sampled (GenerationRequest's): only its steps carry a density and are trained
     sde_window: tuple[int, int] | None = None
     guidance_scale: float = 1.0
+    embedded_guidance_scale: float | None = None  # GenerationRequest's, as sampled
     # Qwen-Image: the text-encoder states the transformer saw (shared by the group), [S, D] and int64 [S]; the
     # negative prompt's when CFG is on
     prompt_embeds: torch.Tensor | None = None
@@ -270,6 +278,7 @@ class Trajectory:
                    sde_type=request.sde_type, sde_window=request.sde_window, seed=seed, lora_version=lora_version,
                    height=request.height,
                    width=request.width, guidance_scale=request.guidance_scale,
+                   embedded_guidance_scale=request.embedded_guidance_scale,
                    negative_prompt_embeds=negative_prompt_embeds if request.do_cfg else None,
                    negative_prompt_mask=negative_prompt_mask if request.do_cfg else None,
                    conditioning=dict(conditioning or {}), image_guidance_scale=request.image_guidance_scale,

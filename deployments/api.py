@@ -153,7 +153,8 @@ def trajectory_b64(traj: Trajectory) -> str:
 
     tensors = {k: v.contiguous() for k, v in traj.tensors().items() if k != "images"}
     metadata = {k: str(getattr(traj, k)) for k in ("prompt", "family", "noise_level", "sde_type", "seed",
-                                                     "lora_version", "height", "width", "guidance_scale", "sde_window",
+                                                     "lora_version", "height", "width", "guidance_scale",
+                                                     "embedded_guidance_scale", "sde_window",
                                                      "image_guidance_scale", "cfg_interval", "cfg_renorm",
                                                      "cfg_renorm_min", "sample_offset")}
     return base64.b64encode(save(tensors, metadata=metadata)).decode()

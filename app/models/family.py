@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from app.types import GenerationRequest, Trajectory
 
 # the registered families, in the order the docs list them; a family's folder is app/models/<name>/
-FAMILY_NAMES = ("qwen_image", "bagel", "sd3")
+FAMILY_NAMES = ("qwen_image", "bagel", "sd3", "flux")
 VLLM_OMNI = "vllm_omni"  # the serving engine's name (every family runs on it)
 
 
@@ -98,6 +98,9 @@ class FamilyBase:
     # an engine's denoiser may replay its compiled blocks as CUDA graphs (model.compile.mode: reduce-overhead):
     # nothing a block returns is kept past the forward, whose next replay overwrites it
     cuda_graphs: bool
+    # guidance-distilled (FLUX.1-dev): the guidance scale is an input of the denoiser's one forward a step
+    # (`rollout.embedded_guidance_scale`, required), not a CFG branch
+    embedded_guidance: bool
 
     def checkpoint_problem(self, path: str | Path) -> str | None:
         """None when `path` looks like a checkpoint of the family, else what is missing."""

@@ -108,6 +108,7 @@ FAMILY = Bagel(
              "bagel": "app.rollout.bagel_engine.BagelEngine"},  # our pure-torch model: the fp32 parity oracle
     exact_engines=("bagel",),  # vllm-omni hard-codes bf16 in BAGEL's attention and MLP
     cuda_graphs=False,  # the context's keys and values, returned by the layers, live across the step's forwards
+    embedded_guidance=False,
     lora_targets=tuple(GENERATION_TARGETS),
     adapter_format="a peft adapter folder of BAGEL's module names",
     adapter_roots=("language_model",),

@@ -53,6 +53,7 @@ FAMILY = QwenImage(
              "diffusers": "app.rollout.diffusers_engine.DiffusersEngine"},  # the parity oracle, on plain diffusers
     exact_engines=(VLLM_OMNI, "diffusers"),
     cuda_graphs=True,
+    embedded_guidance=False,
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
     adapter_format="QwenImagePipeline.load_lora_weights(...) loads it",
     adapter_roots=("transformer_blocks", "img_in", "txt_in", "txt_norm", "time_text_embed", "norm_out", "proj_out"),

@@ -54,6 +54,7 @@ FAMILY = SD3(
              "diffusers": "app.rollout.sd3_engine.SD3Engine"},  # the parity oracle, on plain diffusers
     exact_engines=(VLLM_OMNI, "diffusers"),
     cuda_graphs=True,
+    embedded_guidance=False,
     lora_targets=LORA_TARGETS,
     adapter_format="StableDiffusion3Pipeline.load_lora_weights(...) loads it",
     adapter_roots=("transformer_blocks", "pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out"),

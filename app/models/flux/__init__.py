@@ -1,0 +1,76 @@
+"""FLUX.1 (FLUX.1-dev, the field's most trained open model): a diffusers transformer (`FluxTransformer2DModel`:
+double-stream MMDiT blocks, then single-stream blocks) conditioned on T5 text states and CLIP-L's pooled
+embedding, guidance-distilled (the guidance scale is an input embedding: one forward a step, no CFG branch), 2x2
+packed latents, a schedule shifted by image size. The family's face (`FAMILY`); its parts:
+
+    model.py   schedule, packing, the velocity (embedded guidance, optional true CFG), re-scoring, decoding
+    flops.py   FLOPs of a transformer forward
+    tiny.py    the deterministic tiny random checkpoint (tests, the CPU demo)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.models.family import VLLM_OMNI, DiffusersFamily, Preset, VllmOmniRecipe, prompt_fields_checker
+
+NAME = "flux"
+# the attention projections of both streams in the double blocks and of the single blocks (whose q, k, v share
+# the names), as diffusers' FLUX LoRA scripts and flow_grpo's FLUX recipe target
+LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out")
+
+
+class Flux(DiffusersFamily):
+    def prompt_checker(self, path):
+        """A prompt may take T5_MAX_LENGTH T5 tokens (its end token included): beyond them T5 would drop the rest
+        silently. (CLIP's 77 tokens cut longer prompts in every FLUX pipeline; T5 carries the whole prompt.)"""
+        from transformers import T5Tokenizer
+
+        from app.models.flux.model import T5_MAX_LENGTH
+
+        tokenizer = T5Tokenizer.from_pretrained(Path(path) / "tokenizer_2")
+
+        def problem(text: str) -> str | None:
+            tokens = len(tokenizer(text).input_ids)
+            if tokens <= T5_MAX_LENGTH:
+                return None
+            return f"is {tokens} T5 tokens; the limit is {T5_MAX_LENGTH}, FLUX's T5 length: shorten it"
+
+        return prompt_fields_checker(problem)
+
+    def shard_units(self, denoiser):
+        return [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks], True
+
+    def compiled_blocks(self, denoiser):
+        return [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks]
+
+    def vllm_omni_guidance(self, request):
+        from app.models.flux.model import T5_MAX_LENGTH
+
+        return {"guidance_scale": request.embedded_guidance_scale, "true_cfg_scale": request.guidance_scale,
+                "max_sequence_length": T5_MAX_LENGTH}, {}
+
+
+FAMILY = Flux(
+    name=NAME,
+    transformer_class="FluxTransformer2DModel",
+    pipeline_class="FluxPipeline",
+    engines={VLLM_OMNI: "app.rollout.vllm_omni.engine.VllmOmniEngine",
+             "diffusers": "app.rollout.flux_engine.FluxEngine"},  # the parity oracle, on plain diffusers
+    exact_engines=(VLLM_OMNI, "diffusers"),
+    cuda_graphs=False,
+    embedded_guidance=True,
+    lora_targets=LORA_TARGETS,
+    adapter_format="FluxPipeline.load_lora_weights(...) loads it",
+    adapter_roots=("transformer_blocks", "single_transformer_blocks", "x_embedder", "context_embedder",
+                   "time_text_embed", "norm_out", "proj_out"),
+    checkpoint_files=("model_index.json", "transformer/config.json", "text_encoder_2/config.json"),
+    checkpoint_layout="a diffusers FLUX.1 folder",
+    supports_edits=False,
+    vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_flux.FlowGRPOFluxPipeline"),
+    presets={"tiny-flux": Preset("app.models.flux.tiny:build_tiny_flux",
+                                 "tiny random FLUX.1 (double and single blocks, guidance embedding, CLIP-L, T5): "
+                                 "fp32, ~1.2 MB, CPU")},
+    tiny_preset="tiny-flux",
+)

@@ -1,0 +1,68 @@
+"""FLUX.1 on plain diffusers: the parity oracle for vllm-omni's FLUX pipeline, and the engine for clusters without
+vllm-omni. `rollout.engine: diffusers` with `model.family: flux`.
+
+The Qwen-Image engine's machinery (app/rollout/diffusers_engine.py: loading the family's pipeline, text-only
+requests, the per-sample mode, the LoRA as a peft adapter of the transformer) with FLUX's components: `FluxPipeline`'s
+CLIP-L and T5, the operations of app/models/flux/model.py, the shared sample loop (`app.algo.sampling`) and
+per-sample noise (app/rollout/seeding.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.algo.sampling import sample_trajectory
+from app.models.flux import FAMILY
+from app.models.flux import model as flux
+from app.rollout.diffusers_engine import DiffusersEngine
+from app.rollout.seeding import sample_generators
+from app.types import GenerationRequest, Trajectory
+
+
+class FluxEngine(DiffusersEngine):
+    kind = "diffusers"
+    family = FAMILY.name
+
+    @torch.no_grad()
+    def _encode(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T5 states [S, D], CLIP's pooled [P]) of one text, as vllm-omni's pipeline encodes it (the same text for
+        both encoders, T5 padded to flux.T5_MAX_LENGTH)."""
+        embeds, pooled, _ = self.pipe.encode_prompt(text, None, device=self.device, num_images_per_prompt=1,
+                                                    max_sequence_length=flux.T5_MAX_LENGTH)
+        return embeds[0], pooled[0]
+
+    @torch.no_grad()
+    def _generate_group(self, request: GenerationRequest, seed: int) -> Trajectory:
+        pipe, n = self.pipe, request.n
+        with self.phases("encode"):
+            embeds, pooled = self._encode(request.prompt)
+            neg_embeds = neg_pooled = None
+            conditioning = {flux.POOLED: pooled.float().cpu()}
+            if request.do_cfg:
+                neg_embeds, neg_pooled = self._encode(request.negative_prompt)
+                conditioning[flux.NEGATIVE_POOLED] = neg_pooled.float().cpu()
+        generators = sample_generators(seed, request.sample_offset, n)
+        x = flux.initial_latents(generators, pipe.transformer.config.in_channels // 4, request.height, request.width,
+                                 embeds.dtype, self.device)  # [n, L, 4C]
+        timesteps, sigmas = flux.schedule(pipe.scheduler, request.num_inference_steps, x.shape[1])
+        v = flux.group_velocity(pipe.transformer, timesteps, embeds, pooled, neg_embeds, neg_pooled, batch=n,
+                                height=request.height, width=request.width,
+                                embedded_guidance=request.embedded_guidance_scale,
+                                guidance_scale=request.guidance_scale, device=self.device, dtype=embeds.dtype)
+        with self.phases("denoise"):
+            latents, log_probs = sample_trajectory(v, x, sigmas, request.step_noise_levels,
+                                                   sde_type=request.sde_type, generators=generators)
+        with self.phases("decode"):
+            images = flux.decode_images(pipe.vae, latents[:, -1].to(device=self.device, dtype=x.dtype),
+                                        request.height, request.width)
+        mask = torch.ones(embeds.shape[0], dtype=torch.long)  # FLUX attends every text position
+        return Trajectory.sampled(
+            request, seed=seed, lora_version=self._lora_version, images=images, latents=latents.cpu(),
+            log_probs=log_probs.cpu(), timesteps=timesteps, sigmas=sigmas, family=self.family,
+            prompt_embeds=embeds.float().cpu(), prompt_mask=mask,
+            negative_prompt_embeds=neg_embeds.float().cpu() if request.do_cfg else None,
+            negative_prompt_mask=mask.clone() if request.do_cfg else None, conditioning=conditioning)
+
+    def plain_guidance(self, request: GenerationRequest) -> dict:
+        return {"guidance_scale": request.embedded_guidance_scale, "true_cfg_scale": request.guidance_scale,
+                "max_sequence_length": flux.T5_MAX_LENGTH}
