@@ -6,14 +6,13 @@ worker on the CPU platform). Prints "loaded N" or fails with vLLM's error.
 import sys
 
 import torch
-import vllm.model_executor.layers.activation as activation
 from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.model_loader import get_model_loader
 
-# this vLLM wheel has no CPU kernels (torch.ops._C); building the model and loading its weights run none, but
-# SiluAndMul looks its kernel up when it is built
-activation.SiluAndMul.__init__ = lambda self, **_: activation.CustomOp.__init__(self)
+from app.platform.vllm_omni.cpu_ops import define_missing_ops
+
+define_missing_ops()  # this vLLM wheel has no CPU kernels; the model's MLPs bind one when built
 
 
 def main(path: str, dtype: str = "float32") -> None:

@@ -4,7 +4,7 @@ is handed in by the caller.
 
 On the CPU only (no-ops on CUDA):
 1. `_C::silu_and_mul`: vllm's `SiluAndMul.__init__` binds this op on a CPU platform, and the CUDA vllm wheel has no
-   CPU kernels. Defined here (torch.library) only when it is missing.
+   CPU kernels: app/platform/vllm_omni/cpu_ops.py defines it (and the other ops vLLM's layers bind) when missing.
 2. Input casts: the pipeline runs its model calls under CUDA autocast, which it disables on the CPU, so fp32 inputs
    (timestep embeddings, latents, pixels) meet bf16 weights at the model's entry points. A forward pre-hook casts
    them there, which is what autocast does on CUDA.
@@ -21,27 +21,6 @@ autoencoder weights fit no parameter, "weights were not initialized from checkpo
 from __future__ import annotations
 
 import torch
-
-_LIBRARY = None  # the torch.library fragment must outlive this call
-
-
-def define_silu_and_mul() -> None:
-    """Define `_C::silu_and_mul(out, x)` for the CPU when vllm's compiled ops lack it (workaround 1)."""
-    global _LIBRARY
-    try:
-        torch.ops._C.silu_and_mul  # noqa: B018 (an attribute lookup that raises when the op is missing)
-        return
-    except (AttributeError, RuntimeError):
-        pass
-    library = torch.library.Library("_C", "FRAGMENT")
-    library.define("silu_and_mul(Tensor(a!) out, Tensor x) -> ()")
-
-    def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
-        half = x.shape[-1] // 2
-        out.copy_(torch.nn.functional.silu(x[..., :half]) * x[..., half:])
-
-    library.impl("silu_and_mul", silu_and_mul, "CPU")
-    _LIBRARY = library
 
 
 def _cast_to_weight_dtype(module: torch.nn.Module, args: tuple, kwargs: dict):

@@ -38,6 +38,7 @@ from app.models.bagel.context import BOS, EOS
 from app.models.bagel.flux_ae import TINY_AE_KEY
 from app.models.bagel.model import initial_latents, patchify, schedule
 from app.platform.vllm_omni import bagel_cpu
+from app.platform.vllm_omni.cpu_ops import define_missing_ops
 from app.platform.vllm_omni.warmup import on_the_cpu_platform, shrink_warmup
 from app.rollout.seeding import sample_generators
 from app.rollout.vllm_omni.bagel_lora import GenerationExpertLora
@@ -50,8 +51,7 @@ def _declared_autoencoder(model_dir) -> dict | None:
     return json.loads(Path(model_dir, "config.json").read_text()).get(TINY_AE_KEY)
 
 
-if not torch.cuda.is_available():
-    bagel_cpu.define_silu_and_mul()  # before any BagelPipeline is built (its MLPs bind the op)
+define_missing_ops()  # before any BagelPipeline is built on the CPU (its MLPs bind vLLM's ops)
 
 
 def _tiny_bagel(od_config) -> bool:
