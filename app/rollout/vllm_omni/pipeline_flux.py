@@ -22,9 +22,9 @@ import torch
 from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
 
 from app.models.flux.model import NEGATIVE_POOLED, POOLED
+from app.platform.vllm_omni.cpu_ops import define_missing_ops
 from app.rollout.vllm_omni.exchange import side_output
 from app.rollout.vllm_omni.lora import StagedLoraPipeline
-from app.platform.vllm_omni.cpu_ops import define_missing_ops
 from app.rollout.vllm_omni.recording import Recording, RecordingPipeline
 
 define_missing_ops()  # before the pipeline is built: vllm-omni's T5 binds vLLM's gelu_new
