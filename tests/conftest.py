@@ -97,6 +97,14 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_dir() -> Path:
+    """The tiny FLUX.1 checkpoint, built once into the cache folder and reused across sessions."""
+    from app.models.flux.tiny import build_tiny_flux
+
+    return build_tiny_flux(TINY_CACHE / "tiny-flux", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_bagel_dir() -> Path:
     """The tiny BAGEL checkpoint, built once into the cache folder and reused across sessions."""
     from app.models.bagel.tiny import build_tiny_bagel
@@ -217,6 +225,14 @@ def sd3_engine(tiny_sd3_dir, aio):
     from app.rollout.sd3_engine import SD3Engine
 
     yield from _started(SD3Engine(tiny_sd3_dir), aio)
+
+
+@pytest.fixture(scope="session")
+def flux_engine(tiny_flux_dir, aio):
+    """The tiny FLUX.1 on plain diffusers (the parity oracle)."""
+    from app.rollout.flux_engine import FluxEngine
+
+    yield from _started(FluxEngine(tiny_flux_dir), aio)
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,11 @@ from pathlib import Path
 from app.models.family import VLLM_OMNI, DiffusersFamily, Preset, VllmOmniRecipe, prompt_fields_checker
 
 NAME = "flux"
-# the attention projections of both streams in the double blocks and of the single blocks (whose q, k, v share
-# the names), as diffusers' FLUX LoRA scripts and flow_grpo's FLUX recipe target
+# flow_grpo's FLUX targets (train_flux.py): the attention projections of both streams in the double blocks (and
+# the single blocks' q, k, v, which share the names) and the double blocks' MLPs of both streams
 LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                "attn.add_v_proj", "attn.to_add_out")
+                "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                "ff_context.net.2")
 
 
 class Flux(DiffusersFamily):

@@ -30,7 +30,9 @@ from app.types import GenerationRequest, Trajectory
 
 VAE_SCALE_FACTOR = 8  # 2 ** (len(block_out_channels) - 1) of FLUX's VAE
 PATCH = 2  # latents are packed 2x2 into tokens
-T5_MAX_LENGTH = 512  # T5 tokens a prompt is padded to (FLUX.1-dev's, diffusers' and vllm-omni's default)
+# T5 tokens a prompt is padded to: flow_grpo's FLUX recipe (train_flux.py) samples and evaluates at 128 (diffusers'
+# and vllm-omni's default is 512); FLUX attends the padding too, so this is part of the conditioning
+T5_MAX_LENGTH = 128
 POOLED, NEGATIVE_POOLED = "pooled_prompt_embeds", "negative_pooled_prompt_embeds"  # Trajectory.conditioning keys
 
 

@@ -40,6 +40,18 @@ class _FluxRecording(Recording):
 class FlowGRPOFluxPipeline(RecordingPipeline, StagedLoraPipeline, FluxPipeline):
     recording_class = _FluxRecording
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # vLLM's LoRA manager packs an adapter's q, k, v onto a fused projection only through the model's
+        # `stacked_params_mapping`, which vllm-omni 0.30's FLUX transformer keeps local to its weight loader (its
+        # SD3 and Qwen-Image ones set it): without it the adapter's q/k/v layers stay unbound. Made here from the
+        # transformer's own `packed_modules_mapping` (to_qkv: to_q, to_k, to_v; add_kv_proj: add_q/k/v_proj).
+        transformer = self.transformer
+        if not getattr(transformer, "stacked_params_mapping", None):
+            transformer.stacked_params_mapping = [
+                (f".{fused}", f".{part}", shard) for fused, parts in transformer.packed_modules_mapping.items()
+                for part, shard in zip(parts, ("q", "k", "v"), strict=True)]
+
     def forward(self, req):
         rec = self.recording_for(req)
         if rec is None:
