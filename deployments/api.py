@@ -53,6 +53,8 @@ class ImageGenerationBody(BaseModel):
     sde_type: SdeType | None = None
     guidance: float | None = Field(None, ge=1, le=30)
     negative_prompt: str | None = None
+    embedded_guidance: float | None = Field(None, ge=0, le=30, description="a guidance-distilled model's guidance "
+                                            "input (FLUX.1-dev); default: the deployment's")
     return_trajectory: bool = False
 
 
@@ -108,7 +110,8 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 
 # GenerationRequest fields that the API's body names otherwise
-API_PARAMS = {"height": "size", "width": "size", "guidance_scale": "guidance", "image_guidance_scale": "image_guidance"}
+API_PARAMS = {"height": "size", "width": "size", "guidance_scale": "guidance", "image_guidance_scale": "image_guidance",
+              "embedded_guidance_scale": "embedded_guidance"}
 
 
 def _unwrapped(exc: BaseException) -> BaseException:
@@ -208,8 +211,12 @@ class ApiIngress:
         if steps > lim.max_steps:
             raise ApiError(400, f"num_inference_steps={steps} is over the limit of {lim.max_steps}",
                            "num_inference_steps")
+        if body.embedded_guidance is not None and not self.family.embedded_guidance:
+            raise ApiError(400, f"embedded_guidance: this deployment serves {self.family.name}, which takes no "
+                                "guidance input; its CFG scale is `guidance`", "embedded_guidance")
         given = {"guidance_scale": body.guidance, "negative_prompt": body.negative_prompt,
-                 "noise_level": body.noise_level, "sde_type": body.sde_type}
+                 "noise_level": body.noise_level, "sde_type": body.sde_type,
+                 "embedded_guidance_scale": body.embedded_guidance}
         # a RequestError here is a 400 naming the field (the handler above)
         return d.request(body.prompt, n=body.n, height=height, width=width, num_inference_steps=steps,
                          seed=body.seed, **{k: v for k, v in given.items() if v is not None}, **extra)

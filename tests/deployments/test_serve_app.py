@@ -312,6 +312,7 @@ BAD_GENERATIONS = [
     ({"n": 2}, 422, "prompt"),
     ({"prompt": "a", "sde_type": "ddim"}, 422, "sde_type"),
     ({"prompt": "a", "bogus": 1}, 422, "bogus"),
+    ({"prompt": "a", "embedded_guidance": 3.5}, 400, "takes no guidance input"),  # Qwen-Image is not distilled
 ]
 
 
