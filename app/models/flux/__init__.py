@@ -3,9 +3,10 @@ double-stream MMDiT blocks, then single-stream blocks) conditioned on T5 text st
 embedding, guidance-distilled (the guidance scale is an input embedding: one forward a step, no CFG branch), 2x2
 packed latents, a schedule shifted by image size. The family's face (`FAMILY`); its parts:
 
-    model.py   schedule, packing, the velocity (embedded guidance, optional true CFG), re-scoring, decoding
-    flops.py   FLOPs of a transformer forward
-    tiny.py    the deterministic tiny random checkpoint (tests, the CPU demo)
+    model.py      schedule, packing, the velocity (embedded guidance, optional true CFG), re-scoring, decoding
+    flops.py      FLOPs of a transformer forward
+    tiny.py       the deterministic tiny random checkpoint (tests, the CPU demo)
+    real_size.py  a random checkpoint of FLUX.1-dev's size (11.9B transformer), built on the GPU
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ FAMILY = Flux(
     vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_flux.FlowGRPOFluxPipeline"),
     presets={"tiny-flux": Preset("app.models.flux.tiny:build_tiny_flux",
                                  "tiny random FLUX.1 (double and single blocks, guidance embedding, CLIP-L, T5): "
-                                 "fp32, ~1.2 MB, CPU")},
+                                 "fp32, ~1.2 MB, CPU"),
+             "flux1-dev": Preset("app.models.flux.real_size:build_random_flux1_dev",
+                                 "FLUX.1-dev's size (11.9B transformer, real-width text encoders), random, bf16, built "
+                                 "on the GPU (~25 GB)", "num_single_layers", 38,
+                                 "single-stream blocks after the 19 double ones (default and real: 38)")},
     tiny_preset="tiny-flux",
 )
