@@ -138,5 +138,5 @@ def test_a_bagel_model_section_makes_a_bf16_bagel_engine(tiny_bagel_dir):
 
     engine = make_engine(ModelConfig(family="bagel", path=str(tiny_bagel_dir)), RolloutConfig(engine="vllm_omni"))
     assert (engine.kind, engine.family, engine.dtype) == ("vllm_omni", "bagel", "bfloat16")  # not started
-    with pytest.raises(ValueError, match="model.family=.flux. is not one of"):
-        type(engine)(tiny_bagel_dir, family="flux")
+    with pytest.raises(ValueError, match="model.family=.sd9. is not one of"):
+        type(engine)(tiny_bagel_dir, family="sd9")
