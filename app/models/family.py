@@ -249,6 +249,23 @@ def prompt_fields_checker(problem: Callable[[str], str | None]):
     return check
 
 
+def t5_prompt_checker(tokenizer_dir: str | Path, limit: int, model: str):
+    """The check of a family whose prompt reaches its transformer through T5 padded to `limit` tokens (SD3, FLUX):
+    beyond them T5 would drop the rest silently (CLIP's 77 tokens cut longer prompts in every such pipeline; T5
+    carries the whole prompt)."""
+    from transformers import T5Tokenizer
+
+    tokenizer = T5Tokenizer.from_pretrained(tokenizer_dir)
+
+    def problem(text: str) -> str | None:
+        tokens = len(tokenizer(text).input_ids)
+        if tokens <= limit:
+            return None
+        return f"is {tokens} T5 tokens; the limit is {limit}, {model}'s T5 length: shorten it"
+
+    return prompt_fields_checker(problem)
+
+
 def get_family(name: str) -> ModelFamily:
     """The family registered as `name` (its folder's `FAMILY`)."""
     if str(name) not in FAMILY_NAMES:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.models.family import VLLM_OMNI, DiffusersFamily, Preset, VllmOmniRecipe, prompt_fields_checker
+from app.models.family import VLLM_OMNI, DiffusersFamily, Preset, VllmOmniRecipe, t5_prompt_checker
 
 NAME = "sd3"
 # flow_grpo's SD3 LoRA targets: the joint attention's projections of both streams (not the dual blocks' second,
@@ -24,21 +24,9 @@ LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.ad
 
 class SD3(DiffusersFamily):
     def prompt_checker(self, path):
-        """A prompt may take T5_MAX_LENGTH T5 tokens (its end token included): beyond them T5 would drop the rest
-        silently. (CLIP's 77 tokens cut longer prompts in every SD3 pipeline; T5 carries the whole prompt.)"""
-        from transformers import T5Tokenizer
-
         from app.models.sd3.model import T5_MAX_LENGTH
 
-        tokenizer = T5Tokenizer.from_pretrained(Path(path) / "tokenizer_3")
-
-        def problem(text: str) -> str | None:
-            tokens = len(tokenizer(text).input_ids)
-            if tokens <= T5_MAX_LENGTH:
-                return None
-            return f"is {tokens} T5 tokens; the limit is {T5_MAX_LENGTH}, SD3's T5 length: shorten it"
-
-        return prompt_fields_checker(problem)
+        return t5_prompt_checker(Path(path) / "tokenizer_3", T5_MAX_LENGTH, "SD3")
 
     def vllm_omni_guidance(self, request):
         from app.models.sd3.model import T5_MAX_LENGTH
