@@ -7,6 +7,7 @@ warm-up runs; each caller adds its condition on the engine's diffusion config (i
 
 from __future__ import annotations
 
+WARMUP_REQUEST_SIDE = 512  # pixels: vllm-omni's own warm-up request (DiffusionEngine._dummy_run)
 WARMUP_SIDE = 32  # pixels: one latent token pair at BAGEL's stride of 16, a 2x2 patch grid for Qwen-Image and SD3
 _CONDITIONS: list = []
 

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 from vllm_omni.diffusion.data import DiffusionOutput
-from vllm_omni.diffusion.models.bagel.pipeline_bagel import BagelPipeline
+from vllm_omni.diffusion.models.bagel.pipeline_bagel import BagelPipeline, _resolve_bagel_image_geometry
 
 from app.algo.sampling import TrajectoryRecorder
 from app.algo.sde_window import noise_levels
@@ -39,7 +39,7 @@ from app.models.bagel.flux_ae import TINY_AE_KEY
 from app.models.bagel.model import initial_latents, patchify, schedule
 from app.platform.vllm_omni import bagel_cpu
 from app.platform.vllm_omni.cpu_ops import define_missing_ops
-from app.platform.vllm_omni.warmup import on_the_cpu_platform, shrink_warmup
+from app.platform.vllm_omni.warmup import WARMUP_REQUEST_SIDE, on_the_cpu_platform, shrink_warmup
 from app.rollout.seeding import sample_generators
 from app.rollout.vllm_omni.bagel_lora import GenerationExpertLora
 from app.rollout.vllm_omni.exchange import FlowGRPOArgs, side_output
@@ -55,7 +55,12 @@ define_missing_ops()  # before any BagelPipeline is built on the CPU (its MLPs b
 
 
 def _tiny_bagel(od_config) -> bool:
-    return od_config.model_class_name == "BagelPipeline" and bool(_declared_autoencoder(od_config.model))
+    """A BAGEL checkpoint whose latent grid holds less than the warm-up's 512 pixels (every tiny one, with the real
+    autoencoder too): vllm-omni's own admission check would refuse its warm-up request."""
+    if od_config.model_class_name != "BagelPipeline":
+        return False
+    latent_downsample, max_latent_size = _resolve_bagel_image_geometry(od_config)
+    return latent_downsample * max_latent_size < WARMUP_REQUEST_SIDE
 
 
 # imported in the engine process before its warm-up request: a small one on the CPU and for a tiny checkpoint
