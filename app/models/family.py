@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from app.types import GenerationRequest, Trajectory
 
 # the registered families, in the order the docs list them; a family's folder is app/models/<name>/
-FAMILY_NAMES = ("qwen_image", "bagel", "sd3", "flux")
+FAMILY_NAMES = ("qwen_image", "bagel", "sd3", "flux", "z_image")
 VLLM_OMNI = "vllm_omni"  # the serving engine's name (every family runs on it)
 
 

@@ -83,7 +83,12 @@ class RecordingPipeline:
         if rec is None:
             return super().scheduler_step_maybe_with_cfg(noise_pred, t, latents, do_true_cfg, per_request_scheduler,
                                                          generator)
-        sched = per_request_scheduler or self.scheduler
+        return self.recorded_step(per_request_scheduler or self.scheduler, noise_pred, t, latents)
+
+    def recorded_step(self, sched, noise_pred, t, latents):
+        """The recorded SDE step in place of `sched.step(noise_pred, t, latents)`, advancing `sched` as its step
+        would (the recorder is made at the first step, from the schedule `sched` holds)."""
+        rec = self._recording
         if sched.step_index is None:
             sched._init_step_index(t)
         if rec.recorder is None:
