@@ -105,6 +105,14 @@ def tiny_flux_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_z_image_dir() -> Path:
+    """The tiny Z-Image checkpoint, built once into the cache folder and reused across sessions."""
+    from app.models.z_image.tiny import build_tiny_z_image
+
+    return build_tiny_z_image(TINY_CACHE / "tiny-z-image", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_bagel_dir() -> Path:
     """The tiny BAGEL checkpoint, built once into the cache folder and reused across sessions."""
     from app.models.bagel.tiny import build_tiny_bagel
@@ -233,6 +241,14 @@ def flux_engine(tiny_flux_dir, aio):
     from app.rollout.flux_engine import FluxEngine
 
     yield from _started(FluxEngine(tiny_flux_dir), aio)
+
+
+@pytest.fixture(scope="session")
+def z_image_engine(tiny_z_image_dir, aio):
+    """The tiny Z-Image on plain diffusers (the parity oracle)."""
+    from app.rollout.z_image_engine import ZImageEngine
+
+    yield from _started(ZImageEngine(tiny_z_image_dir), aio)
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,10 @@ the real diffusers module (tests/models/test_z_image.py). No torch: numbers in, 
 
 Z-Image's transformer (S3-DiT): the image tokens go through `n_refiner_layers` noise-refiner blocks and the caption
 tokens through as many context-refiner blocks, then both, joined, through `n_layers` single-stream blocks; each
-sequence is padded to a multiple of 32 tokens (pad tokens are computed like the others). A block: grouped-query
-attention (q, k, v, out), a SwiGLU MLP 8/3 as wide, and (noise refiner and main blocks) an adaLN modulation from
-the timestep embedding.
+sequence is padded to a multiple of 32 tokens (pad tokens are computed like the others), and the final layer
+projects the whole joined sequence. A block: attention (q, k, v, out: diffusers builds k and v at full width
+whatever `n_kv_heads` says; Z-Image's equals `n_heads`), a SwiGLU MLP 8/3 as wide, and (noise refiner and main
+blocks) an adaLN modulation from the timestep embedding.
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ TIMESTEP_MID = 1024  # the timestep MLP's hidden width
 
 @dataclass(frozen=True)
 class ZImageTransformer:
-    """The sizes the FLOP count needs (Z-Image: 30 blocks 3840 wide, 30 heads, 2 refiner blocks of each kind,
+    """The sizes the FLOP count needs (Z-Image: 30 blocks 3840 wide, 2 refiner blocks of each kind,
     Qwen3-4B captions 2560 wide, 2x2 patches of 16 latent channels)."""
 
     layers: int
     refiner_layers: int
     dim: int
-    heads: int
-    kv_heads: int
     caption_dim: int
     token_values: int  # values per image token in and out (patch² x channels)
 
@@ -38,7 +37,7 @@ class ZImageTransformer:
         get = config.get if hasattr(config, "get") else (lambda k, d=None: getattr(config, k, d))
         patch, frames = get("all_patch_size", (2,))[0], get("all_f_patch_size", (1,))[0]
         return cls(layers=get("n_layers"), refiner_layers=get("n_refiner_layers"), dim=get("dim"),
-                   heads=get("n_heads"), kv_heads=get("n_kv_heads"), caption_dim=get("cap_feat_dim"),
+                   caption_dim=get("cap_feat_dim"),
                    token_values=frames * patch * patch * get("in_channels"))
 
 
@@ -48,9 +47,8 @@ def padded(tokens: int) -> int:
 
 def block_flops(model: ZImageTransformer, tokens: int, modulated: bool) -> float:
     d = model.dim
-    kv = d // model.heads * model.kv_heads
     ffn = int(d / 3 * 8)
-    return (2 * tokens * d * (d + 2 * kv)  # q, k, v
+    return (2 * tokens * d * 3 * d  # q, k, v
             + 2 * 2 * tokens * tokens * d  # QKᵀ and attention·V
             + 2 * tokens * d * d  # out
             + 2 * tokens * d * ffn * 3  # SwiGLU: w1, w3 in, w2 out
@@ -66,7 +64,7 @@ def forward_flops(model: ZImageTransformer, image_tokens: int, caption_tokens: i
     adaln = min(d, ADALN_EMBED_DIM)
     embed = (2 * x * model.token_values * d + 2 * cap * model.caption_dim * d  # both embedders see the padding too
              + 2 * (TIMESTEP_CHANNELS * TIMESTEP_MID + TIMESTEP_MID * adaln))  # the timestep MLP
-    head = 2 * adaln * d + 2 * x * d * model.token_values  # the final layer's modulation and projection
+    head = 2 * adaln * d + 2 * (x + cap) * d * model.token_values  # the final layer: the whole joined sequence
     return refiners + main + embed + head
 
 
