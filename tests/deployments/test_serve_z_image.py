@@ -42,7 +42,7 @@ def _metadata(raw: bytes) -> dict:
 def test_generation_returns_the_group_and_its_trajectory_and_refuses_a_long_prompt(served):
     from safetensors.torch import load
 
-    response = generate(served, n=2, seed=5, return_trajectory=True, guidance_scale=3.0, negative_prompt=" ")
+    response = generate(served, n=2, seed=5, return_trajectory=True, guidance=3.0, negative_prompt=" ")
     assert response.status_code == 200, response.text
     body = response.json()
     raw = base64.b64decode(body["trajectory"]["b64"])
@@ -52,7 +52,7 @@ def test_generation_returns_the_group_and_its_trajectory_and_refuses_a_long_prom
     assert tensors["prompt_mask"].sum() == tensors["prompt_embeds"].shape[0]  # its own tokens, no padding
     meta = _metadata(raw)
     assert (meta["family"], meta["guidance_scale"]) == ("z_image", "3.0")
-    again = generate(served, n=2, seed=5, guidance_scale=3.0, negative_prompt=" ").json()
+    again = generate(served, n=2, seed=5, guidance=3.0, negative_prompt=" ").json()
     assert [d["b64_json"] for d in again["data"]] == [d["b64_json"] for d in body["data"]]
     too_long = generate(served, n=2, prompt="zebra " * 600)
     assert too_long.status_code == 400 and "prompt" in too_long.text and "512" in too_long.text
