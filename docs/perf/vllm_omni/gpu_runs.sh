@@ -4,7 +4,8 @@
 # through docs/perf/kernels/lease.sh (RUNS=docs/perf/vllm_omni/gpu_runs.sh), after the pinned stack was carried and
 # installed (docs/perf/vllm_omni/README.md, "A lease"):
 #   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE | loop MODE
-# FAMILY: qwen_image | sd3 | bagel; ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
+#                                        | trainstep FAMILY | job FAMILY,NAME,STEPS
+# FAMILY: qwen_image | sd3 | bagel | flux | z_image; ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
 # (vllm-omni: its regional torch.compile, the adapter in vLLM's LoRA layers; ours: compiled blocks, the adapter
 # folded in where the config folds it) | merged (vllm-omni compiled with the adapter folded in: rollout.merge_lora)
 # | thinker (BAGEL on vllm-omni's two-stage deploy, eager: rollout.thinker_stage).
@@ -12,6 +13,9 @@
 # MODE thinker (the two-stage deploy) | single (the DiT builds the contexts), text-to-image prompts (a thinker takes
 # no edits), the trainer's old log-probs: `rollout/logprob_mismatch_max` states vllm-omni's against the trainer's.
 # vllm-omni's benches also score their first group with the trainer's code once the engine closed (--mismatch).
+# trainstep FAMILY: jobs.bench_train_step on one GPU, compiled (the family's recipe). job FAMILY,NAME,STEPS: jobs.train
+# on a machine of two GPUs or more with the family's 2-GPU recipe (one replica, one rank), the JPEG reward, compiled,
+# JOBARGS (a stage word "JOBARGS=...") added: e.g. rollout.engine=diffusers for the side-by-side run.
 # MODELS=/dir keeps one real-size checkpoint at a time (the machine's disk holds 64 GiB).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -21,11 +25,16 @@ read -r -a EXTRA <<< "${EXTRA:-}"  # more overrides (a dry run on the CPU: a tin
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 # per family: run config, preset, bench size (groups per timed pass), the in-process engine's name
-declare -A CFG=([qwen_image]=configs/qwen_image_ocr_2gpu.yaml [sd3]=configs/sd35m_ocr.yaml [bagel]=configs/bagel_ocr.yaml)
-declare -A PRESET=([qwen_image]="qwen-image-full" [sd3]="sd35-medium" [bagel]="bagel-real-width --layers 28")
-declare -A NGROUPS=([qwen_image]=2 [sd3]=1 [bagel]=2)
-declare -A LOCAL=([qwen_image]=diffusers [sd3]=diffusers [bagel]=bagel)
-declare -A SET=([qwen_image]="" [sd3]="data.prompts=ocr_tiny" [bagel]="")  # what the config leaves to the user
+declare -A CFG=([qwen_image]=configs/qwen_image_ocr_2gpu.yaml [sd3]=configs/sd35m_ocr.yaml [bagel]=configs/bagel_ocr.yaml
+                [flux]=configs/flux_ocr_2gpu.yaml [z_image]=configs/z_image_turbo_ocr_2gpu.yaml)
+declare -A PRESET=([qwen_image]="qwen-image-full" [sd3]="sd35-medium" [bagel]="bagel-real-width --layers 28"
+                   [flux]="flux1-dev" [z_image]="z-image")
+declare -A NGROUPS=([qwen_image]=2 [sd3]=1 [bagel]=2 [flux]=1 [z_image]=2)
+declare -A LOCAL=([qwen_image]=diffusers [sd3]=diffusers [bagel]=bagel [flux]=diffusers [z_image]=diffusers)
+# what the config leaves to the user
+declare -A SET=([qwen_image]="" [sd3]="data.prompts=ocr_tiny" [bagel]="" [flux]="data.prompts=ocr_tiny"
+                [z_image]="data.prompts=ocr_tiny")
+read -r -a JOBARGS <<< "${JOBARGS:-}"
 
 case "$1" in
   setup)  # what the machine is and what runs on it
@@ -73,5 +82,19 @@ case "$1" in
       logging.image_every=0 logging.dir=/tmp/runs/$name > "$OUT/$name.log" 2>&1
     echo "$name: exit $?"; cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
     grep -E "\[flowgrpo\] step|Error|error" "$OUT/$name.log" | tail -n 8 ;;
+  trainstep)  # trainstep FAMILY: the trainer's update at real size, compiled, one GPU
+    family=$2
+    timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_train_step --config ${CFG[$family]} --groups 2 --repeats 3 \
+      model.path="$MODELS/$family" model.compile.cache_dir=$CACHE ${SET[$family]} "${EXTRA[@]}" 2>"$OUT/${family}_trainstep.err" \
+      | tail -1 | sed "s/^{/{\"run\": \"${family}_trainstep\", /" | tee -a "$OUT/bench_train_step.jsonl"
+    tail -n 3 "$OUT/${family}_trainstep.err" ;;
+  job)  # job FAMILY,NAME,STEPS: the family's 2-GPU recipe in jobs.train, JPEG reward, pipelined
+    IFS=, read -r family name steps <<< "$2"
+    timeout ${JOB_TIMEOUT:-560} python -m jobs.train --config ${CFG[$family]} model.path="$MODELS/$family" \
+      model.compile.cache_dir=$CACHE ${SET[$family]} "reward.weights={jpeg_compressibility: 1.0}" train.num_steps=$steps \
+      train.checkpoint_every=0 eval.every=0 eval.before_train=false logging.image_every=0 logging.dir=/tmp/runs/$name \
+      "${JOBARGS[@]}" "${EXTRA[@]}" > "$OUT/$name.log" 2>&1
+    echo "$name: exit $?"; cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
+    grep -E "\[flowgrpo\] step|Error" "$OUT/$name.log" | tail -n 12 ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
