@@ -315,6 +315,11 @@ class ServeConfig:
     # replicas' log level (Serve, vllm); WARNING also drops Serve's per-request access log.
     # None: INFO for `serve run`; a training run follows logging.verbose
     log_level: LogLevel | None = None
+    # API keys (docs/serving.md "Serving to a team"): the environment variable that holds them (comma-separated),
+    # read where the application is built (`serve run`'s shell), never written into a config; and/or a file of
+    # them, one a line. Set: every route but /v1/health needs `Authorization: Bearer <key>` (a 401 otherwise)
+    api_key_env: str = "FLOWGRPO_API_KEY"
+    api_key_file: str | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ import binascii
 import io
 import logging
 import time
+from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import numpy as np
@@ -35,6 +36,7 @@ from app.config import RolloutConfig, SdeType, ServeConfig
 from app.image_size import side_problem
 from app.models.family import FAMILY_NAMES, get_family
 from app.types import MAX_SEED, GenerationRequest, RequestError, Trajectory
+from deployments.auth import LOOPBACK, OPEN_PATHS, KeyCheck
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +84,18 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    """The OpenAI error shape, as the official client parses it."""
+    return JSONResponse(status_code=status, headers=headers,
+                        content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 app = FastAPI(title="ray-flowgrpo", version="0.1.0",
               description="FlowGRPO rollouts (vllm-omni) and rewards on Ray Serve")
+# the replica's API keys, set by its ApiIngress: a module global, since Serve serves a copy of `app` (serve.ingress
+# freezes it), whose middleware functions are still this module's
+_ACCESS = SimpleNamespace(keys=KeyCheck([]))
 
 
 @app.exception_handler(RequestValidationError)
@@ -127,6 +135,16 @@ async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
     """A request GenerationRequest's rules refuse: built here, or checked again by the rollout replica."""
     exc = _unwrapped(exc)
     return _error(400, str(exc), API_PARAMS.get(exc.field, exc.field))
+
+
+@app.middleware("http")
+async def _authorize(request: Request, call_next):
+    """With API keys set (deployments/auth.py), every route but /v1/health needs `Authorization: Bearer <key>`."""
+    check = _ACCESS.keys
+    if check.required and not request.url.path.endswith(OPEN_PATHS):
+        if (problem := check.problem(request.headers.get("authorization"))) is not None:
+            return _error(401, problem, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return await call_next(request)
 
 
 @app.middleware("http")
@@ -187,15 +205,30 @@ def _decode_image(raw: bytes, param: str, max_bytes: int) -> np.ndarray:
         raise ApiError(400, f"{param} is not a PNG or JPEG image", param) from None
 
 
+def _http_host() -> str | None:
+    """The address Serve's HTTP proxy listens on (serve_config.yaml's http_options.host); None when unknown."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().http_config.host
+    except Exception:  # noqa: BLE001 (no Serve controller: an ingress built outside Serve, in a test)
+        return None
+
+
 class ApiIngress:
     def __init__(self, rollout, reward, adapters=None, *, sampling: RolloutConfig | None = None,
-                 limits: ServeConfig | None = None, family: str = "qwen_image"):
+                 limits: ServeConfig | None = None, family: str = "qwen_image", key_digests: list[str] = ()):
         """rollout, reward, adapters: DeploymentHandles; a request that leaves a sampling setting out gets
         `sampling`'s (the rollout section); `limits`: what one request may ask for (the serve section); `family`:
-        the served model's (edits need BAGEL)."""
+        the served model's (edits need BAGEL); key_digests: the API keys' (deployments/auth.py; none: open)."""
         self.rollout, self.reward, self.adapters = rollout, reward, adapters
         self.sampling, self.limits = sampling or RolloutConfig(), limits or ServeConfig()
         self.family = get_family(family)
+        _ACCESS.keys = KeyCheck(list(key_digests))  # this replica's: the middleware above reads it
+        if not key_digests and (host := _http_host()) not in LOOPBACK | {None}:
+            logger.warning("the HTTP API listens on %s without API keys: anyone who reaches the port can spend the "
+                           "replicas' GPUs. Set %s=<key>[,<key>...] (or serve.api_key_file) where you run "
+                           "`serve run`, and clients send `Authorization: Bearer <key>`", host, self.limits.api_key_env)
 
     def _generation_request(self, body: ImageGenerationBody, **extra) -> GenerationRequest:
         lim, d = self.limits, self.sampling

@@ -26,6 +26,7 @@ from app.console import replica_env
 from app.faults import ENV as CRASH_ENV  # tests only: crash points reach the replicas of an existing cluster
 from deployments.adapters import AdapterStore
 from deployments.api import ApiIngress
+from deployments.auth import digest, load_keys
 from deployments.api import app as fastapi_app
 from deployments.judge import JudgeScorer
 from deployments.reward import RewardScorer
@@ -125,4 +126,6 @@ def build_app(args: Mapping | AppConfig) -> Application:
     ).bind(reward, torch_threads=settings.replica_torch_threads, log_level=log_level, judge=judge)
     ingress = serve.deployment(serve.ingress(fastapi_app)(ApiIngress), name="Api", logging_config=logging_config,
                                ray_actor_options={"num_cpus": settings.api_num_cpus})
-    return ingress.bind(rollout_app, reward_app, adapters, sampling=rollout, limits=settings, family=model.family)
+    key_digests = [digest(key) for key in load_keys(settings)]  # read here, where `serve run` runs
+    return ingress.bind(rollout_app, reward_app, adapters, sampling=rollout, limits=settings, family=model.family,
+                        key_digests=key_digests)
