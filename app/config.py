@@ -320,6 +320,11 @@ class ServeConfig:
     # them, one a line. Set: every route but /v1/health needs `Authorization: Bearer <key>` (a 401 otherwise)
     api_key_env: str = "FLOWGRPO_API_KEY"
     api_key_file: str | None = None
+    # backpressure: requests each caller (the HTTP ingress, a trainer) may queue for the rollout and reward replicas
+    # once every replica holds its max_ongoing_requests; beyond it the HTTP API answers 503 with Retry-After
+    # (retry_after_s) at once instead of queueing without end. -1: no bound (Serve's default)
+    max_queued_requests: int = -1
+    retry_after_s: float = 5.0
 
 
 @dataclass

@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray.exceptions import RayTaskError
+from ray.serve.exceptions import BackPressureError
 
 from app.config import RolloutConfig, SdeType, ServeConfig
 from app.image_size import side_problem
@@ -79,9 +80,11 @@ class RewardBody(BaseModel):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, *, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.kind, self.code, self.headers = kind, code, headers
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -93,9 +96,9 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
 
 app = FastAPI(title="ray-flowgrpo", version="0.1.0",
               description="FlowGRPO rollouts (vllm-omni) and rewards on Ray Serve")
-# the replica's API keys, set by its ApiIngress: a module global, since Serve serves a copy of `app` (serve.ingress
+# the replica's API keys and Retry-After, set by its ApiIngress: a module global, since Serve serves a copy of `app` (serve.ingress
 # freezes it), whose middleware functions are still this module's
-_ACCESS = SimpleNamespace(keys=KeyCheck([]))
+_ACCESS = SimpleNamespace(keys=KeyCheck([]), retry_after_s=5.0)
 
 
 @app.exception_handler(RequestValidationError)
@@ -114,7 +117,19 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
 
 @app.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return _error(exc.status, exc.message, exc.param)
+    return _error(exc.status, exc.message, exc.param, exc.kind, exc.code, exc.headers)
+
+
+async def _unless_busy(call):
+    """The replicas' answer to `call` (a DeploymentResponse); a 503 with Retry-After at once when every replica is
+    busy and the queue is at serve.max_queued_requests (Serve's own answer would be plain text, without it)."""
+    try:
+        return await call
+    except BackPressureError as exc:
+        retry = _ACCESS.retry_after_s
+        raise ApiError(503, f"every replica is busy and {exc.args[1]} requests already wait: retry in {retry:g} s",
+                       kind="server_error", code="overloaded",
+                       headers={"Retry-After": str(max(1, round(retry)))}) from None
 
 
 # GenerationRequest fields that the API's body names otherwise
@@ -225,6 +240,7 @@ class ApiIngress:
         self.sampling, self.limits = sampling or RolloutConfig(), limits or ServeConfig()
         self.family = get_family(family)
         _ACCESS.keys = KeyCheck(list(key_digests))  # this replica's: the middleware above reads it
+        _ACCESS.retry_after_s = self.limits.retry_after_s
         if not key_digests and (host := _http_host()) not in LOOPBACK | {None}:
             logger.warning("the HTTP API listens on %s without API keys: anyone who reaches the port can spend the "
                            "replicas' GPUs. Set %s=<key>[,<key>...] (or serve.api_key_file) where you run "
@@ -272,7 +288,7 @@ class ApiIngress:
         return await self._respond(self._generation_request(form, **extra), form)
 
     async def _respond(self, request: GenerationRequest, body: ImageGenerationBody) -> dict:
-        traj: Trajectory = await self.rollout.generate.remote(request)
+        traj: Trajectory = await _unless_busy(self.rollout.generate.remote(request))
         response = {
             "created": int(time.time()),
             "data": [{"b64_json": _png_b64(im)} for im in traj.images.numpy()],
@@ -294,7 +310,7 @@ class ApiIngress:
         shapes = {im.shape for im in decoded}
         if len(shapes) != 1:
             raise ApiError(400, f"images differ in size {sorted(shapes)}; send one size per request", "images")
-        scores = await self.reward.score.remote(np.stack(decoded), body.prompts)
+        scores = await _unless_busy(self.reward.score.remote(np.stack(decoded), body.prompts))
         return {"scores": scores.total, "components": scores.components}
 
     @app.get("/v1/health")

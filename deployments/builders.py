@@ -33,6 +33,7 @@ from deployments.reward import RewardScorer
 from deployments.rollout import RolloutReplica
 
 APP_NAME = "flowgrpo"
+INGRESS_MAX_ONGOING = 1024  # HTTP requests one ingress replica holds at once (each only awaits a replica)
 # replicas share few cores: one torch/OpenMP thread each (oversubscription made a 0.04 s generation take 1.8 s)
 _SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                       "HF_HUB_OFFLINE": "1"}
@@ -103,7 +104,8 @@ def build_app(args: Mapping | AppConfig) -> Application:
                                 ray_actor_options={"num_cpus": 0}).bind(fingerprint=_digest(config, env_vars))
     rollout_app = serve.deployment(
         _ServedRollout, name="Rollout", num_replicas=rollout.num_replicas,
-        max_ongoing_requests=rollout.max_ongoing_requests, health_check_period_s=30,
+        max_ongoing_requests=rollout.max_ongoing_requests, max_queued_requests=settings.max_queued_requests,
+        health_check_period_s=30,
         health_check_timeout_s=60, logging_config=logging_config,
         ray_actor_options={"num_cpus": rollout.replica_num_cpus, "num_gpus": rollout.replica_num_gpus,
                            "runtime_env": env,
@@ -120,11 +122,15 @@ def build_app(args: Mapping | AppConfig) -> Application:
         ).bind(section, torch_threads=settings.replica_torch_threads)
     reward_app = serve.deployment(
         _ServedReward, name="Reward", num_replicas=reward.num_replicas,
-        max_ongoing_requests=4 * reward.max_batch_size, logging_config=logging_config,
+        max_ongoing_requests=4 * reward.max_batch_size, max_queued_requests=settings.max_queued_requests,
+        logging_config=logging_config,
         ray_actor_options={"num_cpus": reward.replica_num_cpus, "num_gpus": reward.replica_num_gpus,
                            "runtime_env": env},
     ).bind(reward, torch_threads=settings.replica_torch_threads, log_level=log_level, judge=judge)
+    # the ingress only awaits the replicas: it takes every request in, so that the bound on the rollout and reward
+    # queues (serve.max_queued_requests) answers a flood with 503s instead of a queue at Serve's proxy
     ingress = serve.deployment(serve.ingress(fastapi_app)(ApiIngress), name="Api", logging_config=logging_config,
+                               max_ongoing_requests=INGRESS_MAX_ONGOING,
                                ray_actor_options={"num_cpus": settings.api_num_cpus})
     key_digests = [digest(key) for key in load_keys(settings)]  # read here, where `serve run` runs
     return ingress.bind(rollout_app, reward_app, adapters, sampling=rollout, limits=settings, family=model.family,

@@ -30,7 +30,7 @@ class RolloutEngine(Protocol):
         """Replace transformer weights (diffusers names); returns how many tensors were loaded."""
 
     async def health(self) -> dict:
-        """A small status dict: kind, model, lora_version, requests served, errors."""
+        """A small status dict: kind, model, lora_version, requests served, errors (and groups cancelled)."""
 
     async def close(self) -> None:
         """Release the model."""

@@ -46,6 +46,16 @@ from app.rollout.seeding import draw_seed
 from app.types import GenerationRequest, LoraAdapter, Trajectory
 
 
+class GroupCancelled(Exception):
+    """The group's caller gave up: it stopped between two denoising steps (nobody waits for its result)."""
+
+
+def _stop_if_cancelled(engine) -> None:
+    event = engine._group_cancelled
+    if event is not None and event.is_set():
+        raise GroupCancelled("the caller cancelled the group")
+
+
 class LocalEngine:
     kind = "local"
     family = ""  # the model family (app/models/) a subclass serves
@@ -78,6 +88,8 @@ class LocalEngine:
         self._staged: tuple[LoraAdapter | None] | None = None  # (adapter,) waiting for the next group; None: none
         self._served = 0
         self._errors = 0
+        self._cancelled = 0  # groups whose caller gave up, stopped early
+        self._group_cancelled: threading.Event | None = None  # the running group's, set when its caller gives up
         self.phases = PhaseTimer()  # the group being generated: `with self.phases("denoise"): ...`
 
     @classmethod
@@ -130,6 +142,7 @@ class LocalEngine:
                 elif self.lora is not None:
                     add_zero_lora(module, self.lora)
                 module.requires_grad_(False)
+                module.register_forward_pre_hook(lambda *_: _stop_if_cancelled(self))  # every denoising step
                 self.compiled = apply_compile(module, get_family(self.family), self.compile, inference=True) > 0
                 self.loaded = True
 
@@ -137,13 +150,19 @@ class LocalEngine:
         if not self.loaded:
             await asyncio.to_thread(self.load)
 
-    def _generate_locked(self, request: GenerationRequest, seed: int) -> Trajectory:
+    def _generate_locked(self, request: GenerationRequest, seed: int,
+                         cancelled: threading.Event | None = None) -> Trajectory:
         with self._lock, torch.no_grad():
-            frames = compile_counts()["frames"] if self.compiled else 0
-            swap = self._apply_staged()
-            started = time.perf_counter()
-            self.phases = PhaseTimer(sync=torch.cuda.synchronize if self.device.type == "cuda" else None)
-            traj = self._generate(request, seed)
+            self._group_cancelled = cancelled
+            try:
+                _stop_if_cancelled(self)
+                frames = compile_counts()["frames"] if self.compiled else 0
+                swap = self._apply_staged()
+                started = time.perf_counter()
+                self.phases = PhaseTimer(sync=torch.cuda.synchronize if self.device.type == "cuda" else None)
+                traj = self._generate(request, seed)
+            finally:
+                self._group_cancelled = None  # another caller's work (a plain generation) is not stopped
             traj.producer.update({"engine": self.kind, "pid": os.getpid(),
                                   "seconds": time.perf_counter() - started, "adapter_swap_s": swap,
                                   "phase_s": dict(self.phases.seconds)})  # encode / denoise / decode
@@ -165,8 +184,15 @@ class LocalEngine:
             raise TypeError(f"expected a GenerationRequest, got {type(request).__name__}")
         await self.start()
         seed = request.seed if request.seed is not None else draw_seed()
+        cancelled = threading.Event()
         try:
-            traj = await asyncio.to_thread(self._generate_locked, request, seed)
+            traj = await asyncio.to_thread(self._generate_locked, request, seed, cancelled)
+        except asyncio.CancelledError:
+            # the caller gave up (an HTTP client that disconnected): the group stops at its next denoiser forward,
+            # or before it starts if it still waits for the lock, so the next group starts at once
+            cancelled.set()
+            self._cancelled += 1
+            raise
         except Exception:
             self._errors += 1
             raise
@@ -247,7 +273,8 @@ class LocalEngine:
     async def health(self) -> dict:
         return {"kind": self.kind, "model": self.model_path, "started": self.loaded,
                 "lora_version": self.lora_version, "lora_merged": self.merge_lora is not None,
-                "merged_base_on": self.merged_base_on, "served": self._served, "errors": self._errors}
+                "merged_base_on": self.merged_base_on, "served": self._served, "errors": self._errors,
+                "cancelled": self._cancelled}
 
     async def close(self) -> None:
         self.loaded = False
