@@ -308,6 +308,8 @@ class ServeConfig:
     max_steps: int = 50
     max_reward_images: int = 64
     max_image_bytes: int = 8 * 2**20
+    # a request body's bytes (JSON or an edit's form, images included): beyond it a 413 before anything is read
+    max_body_bytes: int = 64 * 2**20
     # CPUs of the HTTP ingress replica
     api_num_cpus: float = 0.25
     # torch threads of each rollout and reward replica (replicas share cores: more threads oversubscribe them)

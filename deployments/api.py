@@ -96,9 +96,9 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
 
 app = FastAPI(title="ray-flowgrpo", version="0.1.0",
               description="FlowGRPO rollouts (vllm-omni) and rewards on Ray Serve")
-# the replica's API keys and Retry-After, set by its ApiIngress: a module global, since Serve serves a copy of `app` (serve.ingress
+# the replica's API keys, Retry-After and body limit, set by its ApiIngress: a module global, since Serve serves a copy of `app` (serve.ingress
 # freezes it), whose middleware functions are still this module's
-_ACCESS = SimpleNamespace(keys=KeyCheck([]), retry_after_s=5.0)
+_ACCESS = SimpleNamespace(keys=KeyCheck([]), retry_after_s=5.0, max_body_bytes=64 * 2**20)
 
 
 @app.exception_handler(RequestValidationError)
@@ -150,6 +150,19 @@ async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
     """A request GenerationRequest's rules refuse: built here, or checked again by the rollout replica."""
     exc = _unwrapped(exc)
     return _error(400, str(exc), API_PARAMS.get(exc.field, exc.field))
+
+
+@app.middleware("http")
+async def _limit_body(request: Request, call_next):
+    """A body over serve.max_body_bytes is a 413 before it is read; a POST must say its length (411 otherwise)."""
+    if request.method == "POST":
+        length = request.headers.get("content-length")
+        if length is None or not length.isdigit():
+            return _error(411, "send the body with a Content-Length header", code="length_required")
+        if int(length) > _ACCESS.max_body_bytes:
+            return _error(413, f"the body is {int(length)} bytes; this deployment takes at most "
+                               f"{_ACCESS.max_body_bytes} (serve.max_body_bytes)", code="body_too_large")
+    return await call_next(request)
 
 
 @app.middleware("http")
@@ -240,7 +253,7 @@ class ApiIngress:
         self.sampling, self.limits = sampling or RolloutConfig(), limits or ServeConfig()
         self.family = get_family(family)
         _ACCESS.keys = KeyCheck(list(key_digests))  # this replica's: the middleware above reads it
-        _ACCESS.retry_after_s = self.limits.retry_after_s
+        _ACCESS.retry_after_s, _ACCESS.max_body_bytes = self.limits.retry_after_s, self.limits.max_body_bytes
         if not key_digests and (host := _http_host()) not in LOOPBACK | {None}:
             logger.warning("the HTTP API listens on %s without API keys: anyone who reaches the port can spend the "
                            "replicas' GPUs. Set %s=<key>[,<key>...] (or serve.api_key_file) where you run "

@@ -5,6 +5,7 @@
 - backpressure: one rollout replica taking one request at a time and a queue bound of 2: a flood of requests gets
   503s with Retry-After and a JSON body at once, no other 5xx, and the replica serves on after it;
 - a client that gives up (its timeout) cancels its group in the replica, which serves the next request at once;
+- a body over the limit is a 413 in the same shape;
 - Serve's request id comes back in a header (the client's own when it sends one)."""
 
 import base64
@@ -35,7 +36,8 @@ def served(serve_url, tiny_model_dir, tmp_path_factory):
                         "num_replicas": 1, "replica_num_cpus": 0.25, "max_ongoing_requests": 1},
             "reward": {"weights": {"jpeg_compressibility": 1.0}, "replica_num_cpus": 0.1},
             "serve": {"api_num_cpus": 0.1, "api_key_file": str(keys), "api_key_env": "FLOWGRPO_TEST_NO_SUCH_VAR",
-                      "max_queued_requests": QUEUE, "retry_after_s": 2.0, "max_n": 8, "max_steps": 64}}
+                      "max_queued_requests": QUEUE, "retry_after_s": 2.0, "max_n": 8, "max_steps": 64,
+                      "max_body_bytes": 4096}}
     serve.run(build_app(args), name=APP, route_prefix=PREFIX)
     yield serve_url + PREFIX
     serve.delete(APP)
@@ -107,3 +109,10 @@ def test_a_client_that_gives_up_cancels_its_group(served):
         time.sleep(0.1)
     assert cancelled() == before + 1  # Serve cancelled the replica's call; the engine stopped the group
     print(f"the next request answered {answered:.2f} s after it was sent, the first group cancelled")
+
+
+def test_a_body_over_the_limit_is_a_413(served):
+    response = requests.post(f"{served}/v1/images/generations", json={"prompt": "x" * 5000}, headers=AUTH, timeout=60)
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["code"] == "body_too_large" and "serve.max_body_bytes" in error["message"]
