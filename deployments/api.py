@@ -96,8 +96,8 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
 
 app = FastAPI(title="ray-flowgrpo", version="0.1.0",
               description="FlowGRPO rollouts (vllm-omni) and rewards on Ray Serve")
-# the replica's API keys, Retry-After and body limit, set by its ApiIngress: a module global, since Serve serves a copy of `app` (serve.ingress
-# freezes it), whose middleware functions are still this module's
+# the replica's API keys, Retry-After and body limit, set by its ApiIngress: a module global, since Serve serves a
+# copy of `app` (serve.ingress freezes it), whose middleware functions are still this module's
 _ACCESS = SimpleNamespace(keys=KeyCheck([]), retry_after_s=5.0, max_body_bytes=64 * 2**20)
 
 
@@ -169,9 +169,9 @@ async def _limit_body(request: Request, call_next):
 async def _authorize(request: Request, call_next):
     """With API keys set (deployments/auth.py), every route but /v1/health needs `Authorization: Bearer <key>`."""
     check = _ACCESS.keys
-    if check.required and not request.url.path.endswith(OPEN_PATHS):
-        if (problem := check.problem(request.headers.get("authorization"))) is not None:
-            return _error(401, problem, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    if (check.required and not request.url.path.endswith(OPEN_PATHS)
+            and (problem := check.problem(request.headers.get("authorization"))) is not None):
+        return _error(401, problem, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return await call_next(request)
 
 
@@ -239,7 +239,7 @@ def _http_host() -> str | None:
         from ray.serve.context import _get_global_client
 
         return _get_global_client().http_config.host
-    except Exception:  # noqa: BLE001 (no Serve controller: an ingress built outside Serve, in a test)
+    except Exception:
         return None
 
 

@@ -34,7 +34,8 @@ def load_keys(settings: ServeConfig, environ: Mapping[str, str] = os.environ) ->
         keys += from_file
     if any(len(k) < 16 for k in keys):
         raise ConfigError(f"an API key from {settings.api_key_env} or serve.api_key_file is shorter than 16 "
-                          "characters: use a long random one (python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+                          "characters: use a long random one "
+                          "(python -c 'import secrets; print(secrets.token_urlsafe(32))')")
     return keys
 
 

@@ -26,8 +26,8 @@ from app.console import replica_env
 from app.faults import ENV as CRASH_ENV  # tests only: crash points reach the replicas of an existing cluster
 from deployments.adapters import AdapterStore
 from deployments.api import ApiIngress
-from deployments.auth import digest, load_keys
 from deployments.api import app as fastapi_app
+from deployments.auth import digest, load_keys
 from deployments.judge import JudgeScorer
 from deployments.reward import RewardScorer
 from deployments.rollout import RolloutReplica

@@ -8,9 +8,9 @@ import pytest
 import torch
 from merging import assert_merged_is_the_adapter, sample_both_ways
 
+from app.models.lora import random_lora
 from app.models.z_image import FAMILY
 from app.models.z_image import model as z_image
-from app.models.lora import random_lora
 from app.types import GenerationRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]  # vllm-omni's engine in its own process

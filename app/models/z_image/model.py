@@ -92,7 +92,7 @@ def velocity(transformer, latents: torch.Tensor, timestep: torch.Tensor, caption
     if cfg:
         g = guidance_scale - 1
         pred = torch.stack([pos.float() + g * (pos.float() - neg.float())
-                            for pos, neg in zip(out[:batch], out[batch:])])
+                            for pos, neg in zip(out[:batch], out[batch:], strict=True)])
     else:
         pred = torch.stack([o.float() for o in out])
     return -pred.squeeze(2)
