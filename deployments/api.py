@@ -235,6 +235,10 @@ def _decode_image(raw: bytes, param: str, max_bytes: int) -> np.ndarray:
 
 def _http_host() -> str | None:
     """The address Serve's HTTP proxy listens on (serve_config.yaml's http_options.host); None when unknown."""
+    import ray
+
+    if not ray.is_initialized():  # an ingress built outside Serve (a test): asking would start a Ray instance
+        return None
     try:
         from ray.serve.context import _get_global_client
 

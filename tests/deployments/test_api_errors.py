@@ -74,7 +74,8 @@ def test_a_request_error_from_the_rollout_replica_is_a_400_naming_its_field(clie
     refused = RequestError(field, value, TOO_LONG)
     response = client(StandInRollout(wrap(refused))).post("/v1/images/generations", json={"prompt": "a sign"})
     assert response.status_code == 400, response.text
-    assert response.json() == {"error": {"message": str(refused), "type": "invalid_request_error", "param": param}}
+    assert response.json() == {"error": {"message": str(refused), "type": "invalid_request_error", "param": param,
+                                                "code": None}}
 
 
 @pytest.mark.parametrize("wrap", [as_ray_raises, lambda exc: exc], ids=["as-ray-raises", "raised-here"])
@@ -83,7 +84,7 @@ def test_an_unexpected_error_is_a_json_500(client, wrap):
         "/v1/images/generations", json={"prompt": "a sign"})
     assert response.status_code == 500 and response.headers["content-type"] == "application/json", response.text
     assert response.json() == {"error": {"message": "the server failed: RuntimeError: the engine crashed",
-                                         "type": "server_error", "param": None}}
+                                         "type": "server_error", "param": None, "code": None}}
 
 
 def test_requests_refused_here_and_served_pass_the_error_handling_unchanged(client):
@@ -104,7 +105,8 @@ def test_an_edit_upload_refused_by_the_replica_names_the_image(client):
     response = client(StandInRollout(as_ray_raises(refused)), family="bagel").post(
         "/v1/images/edits", data={"prompt": "make it blue"}, files={"image": ("a.png", png.getvalue(), "image/png")})
     assert response.status_code == 400, response.text
-    assert response.json()["error"] == {"message": str(refused), "type": "invalid_request_error", "param": "image"}
+    assert response.json()["error"] == {"message": str(refused), "type": "invalid_request_error", "param": "image",
+                                        "code": None}
 
 
 @pytest.mark.slow
@@ -127,10 +129,10 @@ def test_through_serve_a_replica_s_request_error_is_a_400_and_its_crash_a_json_5
         refused = requests.post(url, json={"prompt": "a long prompt"}, timeout=60)
         assert refused.status_code == 400, refused.text
         assert refused.json() == {"error": {"message": str(RequestError("prompt", "a long prompt", TOO_LONG)),
-                                            "type": "invalid_request_error", "param": "prompt"}}
+                                            "type": "invalid_request_error", "param": "prompt", "code": None}}
         crashed = requests.post(url, json={"prompt": "a sign"}, timeout=60)
         assert crashed.status_code == 500 and crashed.headers["content-type"] == "application/json", crashed.text
         assert crashed.json()["error"] == {"message": "the server failed: RuntimeError: the engine crashed",
-                                           "type": "server_error", "param": None}
+                                           "type": "server_error", "param": None, "code": None}
     finally:
         serve.delete("api_errors")
