@@ -4,10 +4,9 @@ reproduces it from the seed; the guidance input can be set per request (a deploy
 refuses it: tests/deployments/test_serve_app.py)."""
 
 import base64
-import json
 
 import pytest
-import requests
+from served_api import generate, trajectory_metadata
 
 from app.models.flux import model as flux
 
@@ -32,15 +31,6 @@ def served(serve_url, tiny_flux_dir):
     serve.delete(APP)
 
 
-def generate(url: str, **body):
-    return requests.post(f"{url}/v1/images/generations", json={"prompt": 'a sign that says "OPEN"', **body},
-                         timeout=120)
-
-
-def _metadata(raw: bytes) -> dict:
-    return json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])["__metadata__"]  # safetensors' header
-
-
 def test_generation_returns_the_group_its_trajectory_and_the_guidance_input(served):
     from safetensors.torch import load
 
@@ -52,10 +42,10 @@ def test_generation_returns_the_group_its_trajectory_and_the_guidance_input(serv
     assert tensors["latents"].shape == (2, 4, flux.image_tokens(64, 64), 64) and tensors["log_probs"].shape == (2, 3)
     assert tensors["prompt_embeds"].shape == (flux.T5_MAX_LENGTH, 32) and "negative_prompt_embeds" not in tensors
     assert tensors[f"conditioning.{flux.POOLED}"].shape == (16,)
-    meta = _metadata(raw)
+    meta = trajectory_metadata(raw)
     assert (meta["family"], meta["embedded_guidance_scale"], meta["guidance_scale"]) == ("flux", "3.5", "1.0")
     again = generate(served, n=2, seed=5).json()
     assert [d["b64_json"] for d in again["data"]] == [d["b64_json"] for d in body["data"]]
     other = generate(served, n=2, seed=5, embedded_guidance=1.0, return_trajectory=True).json()
-    assert _metadata(base64.b64decode(other["trajectory"]["b64"]))["embedded_guidance_scale"] == "1.0"
+    assert trajectory_metadata(base64.b64decode(other["trajectory"]["b64"]))["embedded_guidance_scale"] == "1.0"
     assert [d["b64_json"] for d in other["data"]] != [d["b64_json"] for d in body["data"]]

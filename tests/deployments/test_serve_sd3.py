@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import requests
 from PIL import Image
+from served_api import generate
 
 from app.models.sd3 import model as sd3
 
@@ -32,11 +33,6 @@ def served(serve_url, tiny_sd3_dir):
     serve.run(build_app(args), name=APP, route_prefix=PREFIX)
     yield serve_url + PREFIX
     serve.delete(APP)
-
-
-def generate(url: str, **body):
-    return requests.post(f"{url}/v1/images/generations", json={"prompt": 'a sign that says "OPEN"', **body},
-                         timeout=120)
 
 
 def test_generation_with_cfg_returns_the_group_and_its_trajectory(served):

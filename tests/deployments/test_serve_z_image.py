@@ -4,10 +4,9 @@ reproduces it from the seed; CFG at our scale; a prompt over the text encoder's 
 it, and the deployment keeps serving."""
 
 import base64
-import json
 
 import pytest
-import requests
+from served_api import generate, trajectory_metadata
 
 pytestmark = pytest.mark.slow  # a Ray cluster and Serve
 
@@ -30,15 +29,6 @@ def served(serve_url, tiny_z_image_dir):
     serve.delete(APP)
 
 
-def generate(url: str, **body):
-    return requests.post(f"{url}/v1/images/generations", json={"prompt": 'a sign that says "OPEN"', **body},
-                         timeout=120)
-
-
-def _metadata(raw: bytes) -> dict:
-    return json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])["__metadata__"]  # safetensors' header
-
-
 def test_generation_returns_the_group_and_its_trajectory_and_refuses_a_long_prompt(served):
     from safetensors.torch import load
 
@@ -50,7 +40,7 @@ def test_generation_returns_the_group_and_its_trajectory_and_refuses_a_long_prom
     assert tensors["latents"].shape == (2, 4, 16, 8, 8) and tensors["log_probs"].shape == (2, 3)
     assert tensors["prompt_embeds"].shape[1] == 32 and tensors["negative_prompt_embeds"].shape[1] == 32
     assert tensors["prompt_mask"].sum() == tensors["prompt_embeds"].shape[0]  # its own tokens, no padding
-    meta = _metadata(raw)
+    meta = trajectory_metadata(raw)
     assert (meta["family"], meta["guidance_scale"]) == ("z_image", "3.0")
     again = generate(served, n=2, seed=5, guidance=3.0, negative_prompt=" ").json()
     assert [d["b64_json"] for d in again["data"]] == [d["b64_json"] for d in body["data"]]

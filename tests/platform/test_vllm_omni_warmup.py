@@ -19,15 +19,15 @@ def od_config(tmp_path, max_latent_size: int, model_class_name: str = "BagelPipe
 
 @pytest.mark.parametrize("max_latent_size,small", [(8, True), (31, True), (32, False), (64, False)])
 def test_a_bagel_checkpoint_under_the_warmups_size_gets_the_small_warmup(tmp_path, max_latent_size, small):
-    from app.rollout.vllm_omni.pipeline_bagel import _tiny_bagel
+    from app.rollout.vllm_omni.pipeline_bagel import _under_warmup_size
 
     assert (max_latent_size * 16 < WARMUP_REQUEST_SIDE) is small  # the side the checkpoint can generate
-    assert _tiny_bagel(od_config(tmp_path, max_latent_size)) is small
+    assert _under_warmup_size(od_config(tmp_path, max_latent_size)) is small
     # a tiny autoencoder declared or not (the thinker's tiny checkpoint carries the real one): the grid decides
-    assert _tiny_bagel(od_config(tmp_path, max_latent_size, flowgrpo_tiny_ae={"downsample": 8})) is small
+    assert _under_warmup_size(od_config(tmp_path, max_latent_size, flowgrpo_tiny_ae={"downsample": 8})) is small
 
 
 def test_other_pipelines_keep_vllm_omnis_warmup(tmp_path):
-    from app.rollout.vllm_omni.pipeline_bagel import _tiny_bagel
+    from app.rollout.vllm_omni.pipeline_bagel import _under_warmup_size
 
-    assert _tiny_bagel(od_config(tmp_path, 8, model_class_name="QwenImagePipeline")) is False
+    assert _under_warmup_size(od_config(tmp_path, 8, model_class_name="QwenImagePipeline")) is False

@@ -54,7 +54,7 @@ def _declared_autoencoder(model_dir) -> dict | None:
 define_missing_ops()  # before any BagelPipeline is built on the CPU (its MLPs bind vLLM's ops)
 
 
-def _tiny_bagel(od_config) -> bool:
+def _under_warmup_size(od_config) -> bool:
     """A BAGEL checkpoint whose latent grid holds less than the warm-up's 512 pixels (every tiny one, with the real
     autoencoder too): vllm-omni's own admission check would refuse its warm-up request."""
     if od_config.model_class_name != "BagelPipeline":
@@ -65,7 +65,7 @@ def _tiny_bagel(od_config) -> bool:
 
 # imported in the engine process before its warm-up request: a small one on the CPU and for a tiny checkpoint
 shrink_warmup(on_the_cpu_platform)
-shrink_warmup(_tiny_bagel)
+shrink_warmup(_under_warmup_size)
 
 SCHEDULE_TOLERANCE = 1e-6  # vllm-omni's σ schedule (float32) against ours
 
