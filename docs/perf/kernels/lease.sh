@@ -16,7 +16,7 @@
 # 15 MB parts (compile_cache_kernels.tgz.part*: `cat` them into .devcache/compile_cache_kernels.tgz to seed a later
 # lease; PACK_CACHE=0 leaves it on the machine).
 set -uo pipefail
-RES=/tmp/kernels; RUNS=${RUNS:-docs/perf/kernels/gpu_runs.sh}  # RUNS=stub: a dry run
+RES=${RES:-/tmp/kernels}; RUNS=${RUNS:-docs/perf/kernels/gpu_runs.sh}  # RUNS=stub: a dry run
 source "${BASH_SOURCE%/*}/../cores.sh"
 
 run_stages() {  # run_stages OUTDIR STAGE...
@@ -69,6 +69,8 @@ case "$1" in
            eval "start_lane $i '${gpus[$i]}' '$deps' ${words[$i]}"
            echo "lane $i: gpus ${gpus[$i]:-all}, after lanes: ${deps:-none}; ${words[$i]}"
          done ;;
-  wait) end=$((SECONDS + $2)); until all_done || [ $SECONDS -ge $end ]; do sleep 5; done
+  wait)  # a machine without lanes is a fresh one (the last went back): say so now rather than idle its time away
+    [ -f $RES/lanes ] || { echo "lease.sh wait: no stages on this machine (a fresh one: start them again)"; exit 3; }
+    end=$((SECONDS + $2)); until all_done || [ $SECONDS -ge $end ]; do sleep 5; done
         pack ;;
 esac
