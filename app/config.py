@@ -168,6 +168,8 @@ class RolloutConfig:
     group_size: int = 8
     height: int = 512
     width: int = 512
+    # frames of each video, a video family only (Wan: 4k + 1, e.g. 33 or 81); null for an image family
+    num_frames: int | None = None
     # denoising steps of a rollout (T), as diffusers and vllm-omni name them
     num_inference_steps: int = 10
     # text CFG scale (Qwen-Image `true_cfg_scale`, BAGEL `cfg_text_scale`); 1.0 disables CFG and the negative
@@ -228,7 +230,7 @@ class RolloutConfig:
         negative = fields.pop("negative_prompt", self.negative_prompt)
         return GenerationRequest(
             prompt=prompt, n=fields.pop("n", self.group_size), height=fields.pop("height", self.height),
-            width=fields.pop("width", self.width),
+            width=fields.pop("width", self.width), num_frames=fields.pop("num_frames", self.num_frames),
             num_inference_steps=fields.pop("num_inference_steps", self.num_inference_steps),
             guidance_scale=guidance, negative_prompt=negative if guidance > 1 else None,
             embedded_guidance_scale=fields.pop("embedded_guidance_scale", self.embedded_guidance_scale),
@@ -593,6 +595,10 @@ def _check_app(config: AppConfig | RunConfig) -> None:
              f"rollout.sde_window: a fixed window of {window.size} steps from start={window.start} does not fit in "
              f"{rollout.num_inference_steps} steps")
     _check_as_request(rollout)
+    # videos or images: the family's rule (GenerationRequest knows no family)
+    frames_problem = get_family(model.family).request_problem(rollout.request("a placeholder prompt"))
+    _require(frames_problem is None,
+             f"rollout.num_frames={rollout.num_frames}: {frames_problem[1] if frames_problem else ''}")
     for name in ("num_replicas", "max_ongoing_requests", "max_num_seqs"):
         _require(getattr(rollout, name) >= 1, f"rollout.{name}={getattr(rollout, name)} must be >= 1")
     _require(rollout.replica_num_cpus > 0 and rollout.replica_num_gpus >= 0,

@@ -26,6 +26,7 @@ from app.image_size import side_problem
 MAX_GROUP_SIZE = 256
 MAX_SEED = 2**63 - 1
 MAX_EDIT_PIXELS = 4096 * 4096
+MAX_FRAMES = 257  # frames of one video (Wan's 81 at 16 fps is 5 s; 257 is 16 s)
 # BAGEL's renormalisations of the guided velocity (app/models/bagel.py combine_cfg); app.config.CfgRenorm is
 # built from it
 CFG_RENORMS = ("global", "channel", "text_channel")
@@ -63,8 +64,10 @@ class GenerationRequest:
     # η of the SDE; 0 samples the ODE (deterministic, nothing to train on)
     noise_level: float
     sde_type: str
-    # images in the group (the GRPO group size)
+    # images in the group (the GRPO group size); videos for a video family
     n: int = 1
+    # frames of each video: a video family requires it (its own rule too: Wan's 4k + 1), an image family refuses it
+    num_frames: int | None = None
     # the SDE window [first, last + 1) of denoising steps sampled with noise; the other steps take the ODE step
     # (app/algo/sde_window.py). None: every step is stochastic
     sde_window: tuple[int, int] | None = None
@@ -102,6 +105,10 @@ class GenerationRequest:
         for name in ("height", "width"):
             if problem := side_problem(getattr(self, name)):
                 _fail(name, getattr(self, name), problem)
+        if self.num_frames is not None and (not isinstance(self.num_frames, int) or isinstance(self.num_frames, bool)
+                                            or not 1 <= self.num_frames <= MAX_FRAMES):
+            _fail("num_frames", self.num_frames, f"must be an integer in [1, {MAX_FRAMES}] (frames of each video) or "
+                  "None (images)")
         steps = self.num_inference_steps
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
             _fail("num_inference_steps", steps, "must be an integer >= 2 (one step divides by zero in the schedule)")
@@ -163,6 +170,10 @@ class GenerationRequest:
         return self.image is not None
 
     @property
+    def is_video(self) -> bool:
+        return self.num_frames is not None
+
+    @property
     def step_noise_levels(self) -> list[float]:
         """η of each denoising step: `noise_level` inside the SDE window, 0 (the ODE step) outside it."""
         return noise_levels(self.noise_level, self.num_inference_steps, self.sde_window)
@@ -197,7 +208,7 @@ class Trajectory:
 
     prompt: str
     group_id: int | None
-    images: torch.Tensor  # uint8 [n, H, W, 3]
+    images: torch.Tensor  # uint8 [n, H, W, 3]; a video family's frames: [n, F, H, W, 3]
     latents: torch.Tensor  # fp32 [n, T+1, L, C]: x at sigmas[0..T] (packed layout of the family)
     log_probs: torch.Tensor  # fp32 [n, T]: log-prob of each taken step under the rollout policy
     # fp32 [T]: the model's timestep input at each step (Qwen-Image: σ·1000 after shifting; BAGEL: σ itself)
@@ -210,6 +221,7 @@ class Trajectory:
     height: int
     width: int
     family: str = "qwen_image"
+    num_frames: int | None = None  # frames of each video (GenerationRequest's); None: images
     # the SDE window as sampled (GenerationRequest's): only its steps carry a density and are trained
     sde_window: tuple[int, int] | None = None
     guidance_scale: float = 1.0
@@ -234,10 +246,11 @@ class Trajectory:
     def __post_init__(self) -> None:
         n, t1 = self.latents.shape[:2]
         steps = t1 - 1
+        frames = () if self.num_frames is None else (self.num_frames,)
+        pixels = (n, *frames, self.height, self.width, 3)
         checks = [
-            (self.images.dtype == torch.uint8 and self.images.shape == (n, self.height, self.width, 3),
-             f"images {tuple(self.images.shape)} {self.images.dtype} must be uint8 [{n}, {self.height}, "
-             f"{self.width}, 3]"),
+            (self.images.dtype == torch.uint8 and self.images.shape == pixels,
+             f"images {tuple(self.images.shape)} {self.images.dtype} must be uint8 {list(pixels)}"),
             (self.log_probs.shape == (n, steps), f"log_probs {tuple(self.log_probs.shape)} must be [{n}, {steps}]"),
             (self.timesteps.shape == (steps,), f"timesteps {tuple(self.timesteps.shape)} must be [{steps}]"),
             (self.sigmas.shape == (t1,), f"sigmas {tuple(self.sigmas.shape)} must be [{t1}]"),
@@ -276,7 +289,7 @@ class Trajectory:
                    log_probs=log_probs, timesteps=timesteps, sigmas=sigmas, family=family,
                    prompt_embeds=prompt_embeds, prompt_mask=prompt_mask, noise_level=request.noise_level,
                    sde_type=request.sde_type, sde_window=request.sde_window, seed=seed, lora_version=lora_version,
-                   height=request.height,
+                   height=request.height, num_frames=request.num_frames,
                    width=request.width, guidance_scale=request.guidance_scale,
                    embedded_guidance_scale=request.embedded_guidance_scale,
                    negative_prompt_embeds=negative_prompt_embeds if request.do_cfg else None,
@@ -289,6 +302,10 @@ class Trajectory:
     @property
     def group_size(self) -> int:
         return self.latents.shape[0]
+
+    @property
+    def is_video(self) -> bool:
+        return self.num_frames is not None
 
     @property
     def num_inference_steps(self) -> int:

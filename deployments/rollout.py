@@ -44,7 +44,8 @@ class RolloutReplica:
             torch.set_num_threads(torch_threads)
         self.engine = make_engine(model, rollout)
         # the family's text limit, checked before any engine work (its tokenizer, loaded once)
-        self.prompt_problem = get_family(model.family).prompt_checker(model.path)
+        self.family = get_family(model.family)
+        self.prompt_problem = self.family.prompt_checker(model.path)
         self.adapters = adapters
         self._adapter_lock = asyncio.Lock()  # a reset and the load that follows it happen together
         self.replica_id = _replica_id()
@@ -55,6 +56,8 @@ class RolloutReplica:
         self.started[1] = time.time()
 
     async def generate(self, request: GenerationRequest) -> Trajectory:
+        if (problem := self.family.request_problem(request)) is not None:  # frames for images, or none for videos
+            raise RequestError(problem[0], getattr(request, problem[0]), problem[1])
         if (problem := self.prompt_problem(request)) is not None:
             name, why = problem
             text = getattr(request, name)

@@ -113,6 +113,14 @@ def tiny_z_image_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_dir() -> Path:
+    """The tiny Wan checkpoint, built once into the cache folder and reused across sessions."""
+    from app.models.wan.tiny import build_tiny_wan
+
+    return build_tiny_wan(TINY_CACHE / "tiny-wan", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_bagel_dir() -> Path:
     """The tiny BAGEL checkpoint, built once into the cache folder and reused across sessions."""
     from app.models.bagel.tiny import build_tiny_bagel
@@ -249,6 +257,14 @@ def z_image_engine(tiny_z_image_dir, aio):
     from app.rollout.z_image_engine import ZImageEngine
 
     yield from _started(ZImageEngine(tiny_z_image_dir), aio)
+
+
+@pytest.fixture(scope="session")
+def wan_engine(tiny_wan_dir, aio):
+    """The tiny Wan on plain diffusers (the parity oracle)."""
+    from app.rollout.wan_engine import WanEngine
+
+    yield from _started(WanEngine(tiny_wan_dir), aio)
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from app.types import GenerationRequest, Trajectory
 
 # the registered families, in the order the docs list them; a family's folder is app/models/<name>/
-FAMILY_NAMES = ("qwen_image", "bagel", "sd3", "flux", "z_image")
+FAMILY_NAMES = ("qwen_image", "bagel", "sd3", "flux", "z_image", "wan")
 VLLM_OMNI = "vllm_omni"  # the serving engine's name (every family runs on it)
 
 
@@ -91,6 +91,8 @@ class FamilyBase:
     checkpoint_layout: str
     # edits (a request with an input image)
     supports_edits: bool
+    # generates videos: every request carries `num_frames` (an image family's requests carry none)
+    video: bool
     vllm_omni: VllmOmniRecipe
     # the checkpoints jobs.make_tiny_models builds, and which of them is the tiny one (tests, the CPU demo)
     presets: dict[str, Preset]
@@ -106,6 +108,21 @@ class FamilyBase:
         """None when `path` looks like a checkpoint of the family, else what is missing."""
         missing = [name for name in self.checkpoint_files if not (Path(path) / name).is_file()]
         return f"is not {self.checkpoint_layout} (missing {', '.join(missing)})" if missing else None
+
+    def frames_problem(self, num_frames: int) -> str | None:
+        """Why a video family cannot sample videos of `num_frames` frames (its VAE's rule), or None."""
+        return None
+
+    def request_problem(self, request: GenerationRequest) -> tuple[str, str] | None:
+        """(field, why) of what in `request` the family cannot sample whatever its checkpoint (frames for an image
+        family, none or the wrong count for a video family), or None."""
+        if self.video and request.num_frames is None:
+            return "num_frames", f"is required: model.family={self.name} generates videos (e.g. 33 or 81 frames)"
+        if not self.video and request.num_frames is not None:
+            return "num_frames", f"model.family={self.name} generates images: leave num_frames out"
+        if self.video and (why := self.frames_problem(request.num_frames)) is not None:
+            return "num_frames", why
+        return None
 
     def build_tiny(self, path: str | Path, seed: int = 0) -> Path:
         """The deterministic tiny random checkpoint at `path` (kept when an identical build is there)."""

@@ -115,6 +115,7 @@ FAMILY = Bagel(
     checkpoint_files=("config.json", "llm_config.json", "ema.safetensors", "ae.safetensors"),
     checkpoint_layout="a BAGEL-7B-MoT folder",
     supports_edits=True,
+    video=False,
     vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_bagel.FlowGRPOBagelPipeline",
                              deploy_config="bagel_single_stage.yaml",  # one stage: the DiT builds every context
                              thinker_deploy_config="bagel.yaml",  # the thinker prefills, its KV handed to the DiT

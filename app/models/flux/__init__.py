@@ -58,6 +58,7 @@ FAMILY = Flux(
     checkpoint_files=("model_index.json", "transformer/config.json", "text_encoder_2/config.json"),
     checkpoint_layout="a diffusers FLUX.1 folder",
     supports_edits=False,
+    video=False,
     vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_flux.FlowGRPOFluxPipeline"),
     presets={"tiny-flux": Preset("app.models.flux.tiny:build_tiny_flux",
                                  "tiny random FLUX.1 (double and single blocks, guidance embedding, CLIP-L, T5): "

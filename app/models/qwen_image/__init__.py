@@ -60,6 +60,7 @@ FAMILY = QwenImage(
     checkpoint_files=("model_index.json",),
     checkpoint_layout="a diffusers Qwen-Image folder",
     supports_edits=False,
+    video=False,
     vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_qwen_image.FlowGRPOQwenImagePipeline",
                              lora_renames=(("to_out.0", "to_out"),)),  # vllm-omni's output projection is no list
     presets={"tiny": Preset("app.models.qwen_image.tiny:build_tiny_qwen_image",

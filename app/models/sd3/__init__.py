@@ -49,6 +49,7 @@ FAMILY = SD3(
     checkpoint_files=("model_index.json", "transformer/config.json", "text_encoder_3/config.json"),
     checkpoint_layout="a diffusers Stable Diffusion 3 folder",
     supports_edits=False,
+    video=False,
     vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_sd3.FlowGRPOSD3Pipeline"),
     presets={"tiny-sd3": Preset("app.models.sd3.tiny:build_tiny_sd3",
                                 "tiny random SD3 (dual attention, CLIP-L, CLIP-G, T5): fp32, ~1.2 MB, CPU"),

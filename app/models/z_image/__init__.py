@@ -74,6 +74,7 @@ FAMILY = ZImage(
     checkpoint_files=("model_index.json", "transformer/config.json", "text_encoder/config.json"),
     checkpoint_layout="a diffusers Z-Image folder",
     supports_edits=False,
+    video=False,
     vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_z_image.FlowGRPOZImagePipeline"),
     presets={"tiny-z-image": Preset("app.models.z_image.tiny:build_tiny_z_image",
                                     "tiny random Z-Image (refiners, single-stream blocks, Qwen3 text encoder): fp32, "
