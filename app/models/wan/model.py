@@ -65,7 +65,7 @@ def frames_problem(num_frames) -> str | None:
     """Why a frame count cannot be sampled by Wan's VAE, or None."""
     if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1 or (
             num_frames - 1) % TEMPORAL_FACTOR:
-        return f"must be 4k + 1 frames (1, 5, ..., 33, ..., 81): Wan's VAE encodes 1 + 4 per latent frame"
+        return "must be 4k + 1 frames (1, 5, ..., 33, ..., 81): Wan's VAE encodes 1 + 4 per latent frame"
     return None
 
 
