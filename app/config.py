@@ -23,7 +23,7 @@ from app.algo.sde_window import PLACEMENTS
 from app.models.attention import SDPA_KERNELS
 from app.models.compile import CUDA_GRAPH_MODES
 from app.models.family import FAMILY_NAMES, all_engines, get_family
-from app.rewards.composite import MODEL_REWARDS, REWARD_NAMES
+from app.rewards.composite import MODEL_REWARDS, REWARD_NAMES, VIDEO_REWARDS
 from app.rewards.ocr import DETECT_MIN_SIDE
 from app.types import CFG_RENORMS, GenerationRequest, RequestError
 
@@ -278,6 +278,14 @@ class JudgeRewardConfig:
 
 
 @dataclass
+class FramesConfig:
+    """The frames of a video the image reward terms score; a video's score is their mean."""
+
+    # frames 0, every, 2·every, ...: 1 scores every frame (the OCR reward reads each one it is given)
+    every: int = 1
+
+
+@dataclass
 class RewardConfig:
     # reward name -> weight of the weighted sum ("ocr", "jpeg_compressibility", "pickscore", "clipscore",
     # "aesthetic", "vlm_judge"); a YAML file or a `reward.weights={...}` override replaces the whole mapping (exactly
@@ -298,6 +306,8 @@ class RewardConfig:
     replica_num_gpus: float = 0.0
     # concurrent groups one replica scores in one call (Serve's @serve.batch)
     max_batch_size: int = 8
+    # videos: which frames the image terms score (the terms that see time, temporal_consistency, see them all)
+    frames: FramesConfig = field(default_factory=FramesConfig)
 
 
 @dataclass
@@ -608,6 +618,10 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     _require(bool(reward.weights), "reward.weights is empty: name at least one reward, e.g. {ocr: 1.0}")
     unknown = sorted(set(reward.weights) - set(REWARD_NAMES))
     _require(not unknown, f"reward.weights names unknown rewards {unknown}: known are {list(REWARD_NAMES)}")
+    timed = sorted(set(reward.weights) & set(VIDEO_REWARDS))
+    _require(not timed or get_family(model.family).video,
+             f"reward.weights names {timed}: it scores videos, and model.family={model.family} generates images")
+    _require(reward.frames.every >= 1, f"reward.frames.every={reward.frames.every} must be >= 1 (1: every frame)")
     for name in MODEL_REWARDS:
         if name in reward.weights:
             section = getattr(reward, name)

@@ -54,16 +54,22 @@ class RunLog:
                    rewards: list[dict[str, list[float]]]) -> Future:
         """uint8 [N, H, W, 3] images, one row per prompt group, each labelled with its rewards (`rewards[g]`:
         {"total": [...], component: [...]}), as a PNG and a tensorboard image, drawn by a background thread: returns
-        at once, with a future of the PNG's path (`close` waits for every grid). A grid that fails is said on
-        stderr and costs the run nothing."""
+        at once, with a future of the PNG's path (`close` waits for every grid). Videos [N, F, H, W, 3]: the PNG
+        shows each as a filmstrip of its frames, and an mp4 beside it plays the labelled grid. A grid that fails is
+        said on stderr and costs the run nothing."""
         future = self.drawing.submit(self._draw_images, step, images, prompts, rewards)
         future.add_done_callback(_say_if_failed)
         return future
 
     def _draw_images(self, step: int, images: np.ndarray, prompts: list[str],
                      rewards: list[dict[str, list[float]]]) -> Path:
-        grid = labelled_grid(images, prompts, rewards)
         path = self.dir / "images" / f"step_{step:06d}.png"
+        if images.ndim == 5:  # videos: the labelled grid playing, and a filmstrip of each for the PNG
+            write_mp4([labelled_grid(images[:, t], prompts, rewards) for t in range(images.shape[1])],
+                      path.with_suffix(".mp4"))
+            images = np.stack([filmstrip(video) for video in images])
+            prompts, rewards = one_per_row(prompts, rewards, len(images))  # a filmstrip is wide: one a row
+        grid = labelled_grid(images, prompts, rewards)
         from PIL import Image
 
         Image.fromarray(grid).save(path)
@@ -79,6 +85,40 @@ class RunLog:
 def _say_if_failed(future: Future) -> None:
     if future.exception() is not None:
         print(f"[flowgrpo] the step's image grid was not logged: {future.exception()!r}", file=sys.stderr, flush=True)
+
+
+def filmstrip(video: np.ndarray, frames: int = 6, gutter: int = 2) -> np.ndarray:
+    """uint8 [F, H, W, 3] → [H, k·(W + gutter) − gutter, 3]: k ≤ `frames` frames evenly spaced from the first to the
+    last, side by side with a white gutter between them."""
+    picked = np.unique(np.linspace(0, len(video) - 1, min(frames, len(video))).round().astype(int))
+    white = np.full((video.shape[1], gutter, 3), 255, dtype=np.uint8)
+    parts = [part for k in picked for part in (white, video[k])][1:]
+    return np.concatenate(parts, axis=1)
+
+
+def one_per_row(prompts: list[str], rewards: list[dict[str, list[float]]], n: int):
+    """Each group's prompt and rewards repeated for each of its members, so that a grid has one member a row."""
+    per = n // len(prompts)
+    return ([p for p in prompts for _ in range(per)],
+            [{k: [v[j]] for k, v in r.items()} for r in rewards for j in range(per)])
+
+
+def write_mp4(frames: list[np.ndarray], path: str | Path, fps: int = 16) -> Path:
+    """uint8 [H, W, 3] frames → an H.264 mp4 at `fps` (Wan's 16), padded white to even sides (yuv420p needs them).
+    PyAV (FFmpeg's libraries), which vllm-omni brings."""
+    import av
+
+    h, w = frames[0].shape[:2]
+    even_h, even_w = h + h % 2, w + w % 2
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = even_w, even_h, "yuv420p"
+        for frame in frames:
+            if (h, w) != (even_h, even_w):
+                frame = np.pad(frame, ((0, even_h - h), (0, even_w - w), (0, 0)), constant_values=255)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        container.mux(stream.encode())
+    return Path(path)
 
 
 def image_grid(images: np.ndarray, rows: int) -> np.ndarray:

@@ -308,6 +308,11 @@ class Trajectory:
         return self.num_frames is not None
 
     @property
+    def nbytes(self) -> int:
+        """The bytes of its tensors: what a group weighs on its way to the trainer."""
+        return sum(t.nbytes for t in self.tensors().values())
+
+    @property
     def num_inference_steps(self) -> int:
         return self.latents.shape[1] - 1
 

@@ -41,7 +41,7 @@ class Evaluation:
     version: int
     prompts: list[str]
     seeds: list[int]
-    images: np.ndarray  # uint8 [P, k, H, W, 3]: k = eval.images_per_prompt
+    images: np.ndarray  # uint8 [P, k, H, W, 3]: k = eval.images_per_prompt ([P, k, F, H, W, 3]: videos)
     rewards: list[RewardScores]  # one per prompt
     seconds: float  # wall time of the whole evaluation
     retries: int  # failed attempts (generation or reward) retried

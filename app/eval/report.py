@@ -20,7 +20,7 @@ import numpy as np
 
 from app.eval.evaluate import Evaluation
 from app.eval.sentinels import out_of_band, sentinels
-from app.metrics import labelled_grid, latest_records
+from app.metrics import filmstrip, labelled_grid, latest_records, one_per_row
 
 BASE_IMAGES = "base_images.npz"
 
@@ -110,8 +110,12 @@ class EvalLog:
         if g == 0:
             return None
         rows = [{"total": s.total, **s.components} for s in evaluation.rewards[:g]]
-        return labelled_grid(evaluation.images[:g].reshape(-1, *evaluation.images.shape[2:]),
-                             evaluation.prompts[:g], rows)
+        images = evaluation.images[:g].reshape(-1, *evaluation.images.shape[2:])
+        prompts = evaluation.prompts[:g]
+        if images.ndim == 5:  # videos: a filmstrip of each, one a row
+            images = np.stack([filmstrip(video) for video in images])
+            prompts, rows = one_per_row(prompts, rows, len(images))
+        return labelled_grid(images, prompts, rows)
 
     def _append(self, line: dict) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,8 @@ def sentinels(images: np.ndarray, base: np.ndarray) -> dict[str, float]:
     if images.shape != base.shape:
         raise ValueError(f"adapter images {list(images.shape)} and base images {list(base.shape)} differ in shape: "
                          "the base images must come from the same prompts, seeds and size")
+    if images.ndim == 5:  # videos [N, F, H, W, 3]: the statistics of their frames
+        images, base = images.reshape(-1, *images.shape[2:]), base.reshape(-1, *base.shape[2:])
     mine, ref = image_statistics(images), image_statistics(base)
     out = {}
     for name in STATISTICS:

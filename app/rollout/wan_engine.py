@@ -74,21 +74,26 @@ class WanEngine(DiffusersEngine):
             conditioning=wan.conditioning(self.settings["expand_timesteps"]))
 
     async def generate_plain(self, request: GenerationRequest) -> torch.Tensor:
-        """Stock `WanPipeline` sampling (its scheduler's ODE step, no trajectory) of the same group: uint8
-        [n, F, H, W, 3]."""
+        """Stock `WanPipeline` sampling (its denoising loop, diffusers' Euler step on Wan's schedule in place of the
+        checkpoint's UniPC, no trajectory) of the same group: uint8 [n, F, H, W, 3]."""
         await self.start()
         seed = request.seed if request.seed is not None else draw_seed()
 
         def run() -> torch.Tensor:
             with self._lock, torch.no_grad():
                 self._apply_staged()
-                out = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
-                                height=request.height, width=request.width, num_frames=request.num_frames,
-                                num_inference_steps=request.num_inference_steps, num_videos_per_prompt=request.n,
-                                guidance_scale=request.guidance_scale,
-                                max_sequence_length=wan.MAX_SEQUENCE_LENGTH,
-                                generator=sample_generators(seed, request.sample_offset, request.n),
-                                output_type="np")
+                solver, self.pipe.scheduler = self.pipe.scheduler, wan.euler_scheduler(self.settings["flow_shift"])
+                try:
+                    out = self._plain(request, seed)
+                finally:
+                    self.pipe.scheduler = solver
                 return torch.from_numpy((out.frames * 255).round().astype("uint8"))
 
         return await asyncio.to_thread(run)
+
+    def _plain(self, request: GenerationRequest, seed: int):
+        return self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
+                         width=request.width, num_frames=request.num_frames,
+                         num_inference_steps=request.num_inference_steps, num_videos_per_prompt=request.n,
+                         guidance_scale=request.guidance_scale, max_sequence_length=wan.MAX_SEQUENCE_LENGTH,
+                         generator=sample_generators(seed, request.sample_offset, request.n), output_type="np")

@@ -34,7 +34,7 @@ class RunEvaluator:
         self.config, self.run_dir, self.rollout = config, run_dir, rollout
         self.prompts = eval_prompts(config)
         self.log = EvalLog(run_dir / "eval", grid_prompts=config.eval.grid_prompts, writer=writer)
-        self.base = None  # uint8 [P, k, H, W, 3]: the base model's images (sentinels on)
+        self.base = None  # uint8 [P, k, H, W, 3] ([P, k, F, H, W, 3]: videos): the base model's (sentinels on)
 
     def start(self, step: int) -> None:
         """While the replicas serve the base model (before a resumed adapter is published again): the base
@@ -42,7 +42,8 @@ class RunEvaluator:
         ev = self.config.eval
         if ev.sentinels:
             requests = eval_requests(self.config, self.prompts, 0)
-            shape = (ev.images_per_prompt, requests[0].height, requests[0].width, 3)
+            frames = () if requests[0].num_frames is None else (requests[0].num_frames,)  # a video family's
+            shape = (ev.images_per_prompt, *frames, requests[0].height, requests[0].width, 3)
             self.base = self.log.load_base([str(p) for p in self.prompts], [r.seed for r in requests], shape)
         fresh = step == 0 and ev.before_train
         if not fresh and (self.base is not None or not ev.sentinels):

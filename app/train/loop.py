@@ -183,7 +183,9 @@ def _worker_metrics(worker: Worker, step: int, groups: list[ScoredGroup], stats:
            "perf/reward_busy_s_sum": sum(s.rewards.seconds for s in groups),  # the reward replicas' own seconds
            "rollout/adapter_swap_s_max": max(s.trajectory.producer.get("adapter_swap_s", 0.0) for s in groups),
            "timing/reward_wait_s_max": max(0.0, max(s.scored_at for s in groups) - max(s.generated_at for s in groups)),
-           "memory/rollout_peak_gib_max": max(s.trajectory.producer.get("gpu_peak_gib", 0.0) for s in groups)}
+           "memory/rollout_peak_gib_max": max(s.trajectory.producer.get("gpu_peak_gib", 0.0) for s in groups),
+           # what one group weighs on its way from a replica (video groups: latents of every step, frames)
+           "rollout/trajectory_mb_max": max(s.trajectory.nbytes for s in groups) / 2**20}
     for s in groups:  # where an in-process engine's time went: encode, denoise, decode (logged `perf/rollout_*_s`)
         for phase, seconds in s.trajectory.producer.get("phase_s", {}).items():
             out[f"perf/rollout_{phase}_s_sum"] = out.get(f"perf/rollout_{phase}_s_sum", 0.0) + seconds

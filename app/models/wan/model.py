@@ -10,8 +10,11 @@ equals the step the rollout took:
   `expand_timesteps` in the pipeline's config: the same value everywhere in text to video); its output is the
   velocity;
 - CFG is `neg + s·(pos − neg)`, a forward for each branch as the pipeline makes them, combined in fp32;
-- the schedule is flow matching's Euler schedule (σ linear from 1 to 1/1000 over T points, then 0) shifted by the
-  checkpoint's `flow_shift` (Wan's UniPC config) or `shift` (an Euler config): the points FlowGRPO's SDE steps on.
+- the schedule: σ linear from 1 to 1/T over T points, shifted by the checkpoint's `flow_shift` (Wan's UniPC config;
+  `shift` in an Euler config), then 0: the points Wan's own UniPC scheduler visits (within 2e-3: its line starts at
+  1 − 1/1000), DanceGRPO's and SD3's. Not the Euler scheduler's default line to 1/1000, whose last SDE step would jump
+  to σ ≈ 0.003 with its noise and leave the noise there (`WanPipeline` with an Euler scheduler samples on that line:
+  `euler_scheduler` below is the Euler scheduler on this one, for the stock pipeline's comparison).
 
 A group's conditioning, shared by its samples: `prompt_embeds` [S, D], UMT5's states of the prompt padded with zeros
 to S = 512 (what the transformer attends to: all S rows, so `prompt_mask` is all ones), and under CFG the negative
@@ -48,11 +51,26 @@ def pipeline_settings(path: str | Path) -> dict:
     return {"expand_timesteps": bool(index.get("expand_timesteps", False)), "flow_shift": float(shift)}
 
 
-def schedule(flow_shift: float, num_inference_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(timesteps [T], sigmas [T+1]) of flow matching's Euler scheduler shifted by `flow_shift`."""
+def base_sigmas(num_inference_steps: int) -> list[float]:
+    """The σ points before the shift: linear from 1 to 1/T."""
+    return torch.linspace(1.0, 1 / num_inference_steps, num_inference_steps).tolist()
+
+
+def euler_scheduler(flow_shift: float):
+    """diffusers' flow-matching Euler scheduler that sets Wan's schedule whatever a pipeline asks of it (`WanPipeline`
+    calls `set_timesteps(T)` and would get the default line)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=flow_shift)
+    class WanEuler(FlowMatchEulerDiscreteScheduler):
+        def set_timesteps(self, num_inference_steps=None, device=None, **_):
+            super().set_timesteps(sigmas=base_sigmas(num_inference_steps), device=device)
+
+    return WanEuler(num_train_timesteps=1000, shift=flow_shift)
+
+
+def schedule(flow_shift: float, num_inference_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(timesteps [T] = σ·1000, sigmas [T+1]) of Wan's schedule shifted by `flow_shift`."""
+    scheduler = euler_scheduler(flow_shift)
     scheduler.set_timesteps(num_inference_steps, device="cpu")
     return scheduler.timesteps.float(), scheduler.sigmas.float()
 

@@ -6,7 +6,7 @@ Two presets, the architectures vllm-omni 0.30's `wan2_2` serves: Wan2.1-T2V-1.3B
 Wan's own configs; the text encoder has UMT5-XXL's width but only `text_layers` layers, since prompt encoding is a
 small share of the work; the tokenizer is the tiny one. Weights are bf16, drawn from N(0, 0.02) per matrix (norm
 scales 1, biases 0: `builds.randomise`) by one seeded generator on the build device; the VAEs keep diffusers' own
-initialisation, seeded. The scheduler is flow matching's Euler with the model's shift (what FlowGRPO steps on).
+initialisation, seeded. The scheduler is Wan's UniPC on flow sigmas with the model's shift.
 
 What it is for: throughput and memory measurements through the normal `model.path` route (a diffusers-layout
 folder, loaded as a user's real checkpoint would be). It generates noise, not videos.
@@ -44,7 +44,7 @@ def random_components(preset: str, seed: int = 0, *, num_layers: int = 30, text_
                       device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
     """The five pipeline components of `preset` (and the pipeline's `expand_timesteps`); fewer blocks give a
     shallower transformer of the real width."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     spec = MODELS[preset]
@@ -63,8 +63,8 @@ def random_components(preset: str, seed: int = 0, *, num_layers: int = 30, text_
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         vae = AutoencoderKLWan(**spec["vae"]).to(device, torch.float32)  # Wan decodes in fp32
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=spec["flow_shift"],
-                                                use_dynamic_shifting=False)
+    scheduler = UniPCMultistepScheduler(num_train_timesteps=1000, prediction_type="flow_prediction",
+                                        use_flow_sigmas=True, flow_shift=spec["flow_shift"])
     return dict(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                 expand_timesteps=spec["expand_timesteps"])
 

@@ -6,9 +6,9 @@ the real model. The transformer has Wan's features at a tiny width: 3D patches (
 rotary positions (frame, row, column), self-attention with RMS q/k norms across heads, cross-attention to the UMT5
 states, a GELU MLP, adaLN modulation from the timestep. The VAE is Wan's causal 3D autoencoder (8x spatial, 4x
 temporal: a video of 4k + 1 frames has k + 1 latent frames) at a tiny width; the text encoder a 2-layer UMT5 with
-our tokenizer (app/models/builds.py). The scheduler is flow matching's Euler with Wan's 480p shift (3): what the
-FlowGRPO rollout steps on (a real Wan checkpoint ships UniPC with the same `flow_shift`; app/models/wan/model.py
-reads either). Same seed → identical tensors and tokenizer.
+our tokenizer (app/models/builds.py). The scheduler is Wan2.1's (UniPC on flow sigmas, 480p's flow_shift 3): the
+FlowGRPO rollout reads its shift and steps the SDE on the same points (app/models/wan/model.py). Same seed →
+identical tensors and tokenizer.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from app.models.builds import train_tokenizer, write_build
 
-BUILDER_VERSION = 1  # bump when the architecture below changes, so cached checkpoints are rebuilt
+BUILDER_VERSION = 2  # bump when the architecture below changes, so cached checkpoints are rebuilt
 
 TEXT_HIDDEN = 32  # == transformer text_dim
 LATENT_CHANNELS = 16
@@ -29,12 +29,13 @@ TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_d
                    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 VAE = dict(base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
            temperal_downsample=[False, True, True])
-SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)  # Wan2.1's 480p flow_shift
+SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
+                 flow_shift=3.0)  # Wan2.1's, 480p's shift
 
 
 def tiny_wan_components(seed: int = 0) -> dict:
     """The five pipeline components, random but reproducible: same seed → identical tensors."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = train_tokenizer()
@@ -47,7 +48,7 @@ def tiny_wan_components(seed: int = 0) -> dict:
             decoder_start_token_id=tokenizer.pad_token_id)).eval()
         transformer = WanTransformer3DModel(**TRANSFORMER)
         vae = AutoencoderKLWan(**VAE)
-    return dict(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae,
+    return dict(transformer=transformer, scheduler=UniPCMultistepScheduler(**SCHEDULER), vae=vae,
                 text_encoder=text_encoder, tokenizer=tokenizer)
 
 
