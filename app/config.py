@@ -318,6 +318,7 @@ class ServeConfig:
     max_n: int = 16
     max_side: int = 1024
     max_steps: int = 50
+    max_frames: int = 129  # frames of one video (a video family's)
     max_reward_images: int = 64
     max_image_bytes: int = 8 * 2**20
     # a request body's bytes (JSON or an edit's form, images included): beyond it a 413 before anything is read

@@ -103,14 +103,23 @@ def one_per_row(prompts: list[str], rewards: list[dict[str, list[float]]], n: in
             [{k: [v[j]] for k, v in r.items()} for r in rewards for j in range(per)])
 
 
-def write_mp4(frames: list[np.ndarray], path: str | Path, fps: int = 16) -> Path:
-    """uint8 [H, W, 3] frames → an H.264 mp4 at `fps` (Wan's 16), padded white to even sides (yuv420p needs them).
-    PyAV (FFmpeg's libraries), which vllm-omni brings."""
+def write_mp4(frames, path: str | Path, fps: int = 16) -> Path:
+    """uint8 [H, W, 3] frames → an H.264 mp4 at `fps` (Wan's 16) in `path`."""
+    Path(path).write_bytes(mp4_bytes(frames, fps))
+    return Path(path)
+
+
+def mp4_bytes(frames, fps: int = 16) -> bytes:
+    """uint8 [H, W, 3] frames (a list, or an array [F, H, W, 3]) → the bytes of an H.264 mp4 at `fps`, padded white
+    to even sides (yuv420p needs them). PyAV (FFmpeg's libraries), which vllm-omni brings."""
+    import io
+
     import av
 
     h, w = frames[0].shape[:2]
     even_h, even_w = h + h % 2, w + w % 2
-    with av.open(str(path), mode="w") as container:
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = even_w, even_h, "yuv420p"
         for frame in frames:
@@ -118,7 +127,7 @@ def write_mp4(frames: list[np.ndarray], path: str | Path, fps: int = 16) -> Path
                 frame = np.pad(frame, ((0, even_h - h), (0, even_w - w), (0, 0)), constant_values=255)
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
         container.mux(stream.encode())
-    return Path(path)
+    return buffer.getvalue()
 
 
 def image_grid(images: np.ndarray, rows: int) -> np.ndarray:

@@ -4,6 +4,8 @@
                                    noise_level, sde_type, guidance, negative_prompt, return_trajectory}
     POST /v1/images/edits         multipart form: image (PNG/JPEG file), prompt (what to change), and the fields
                                   above plus image_guidance (BAGEL deployments; the group edits one image)
+    POST /v1/videos/generations   a video family's (Wan): the fields above plus num_frames or seconds (at fps, 16 by
+                                  default) → {data: [{b64_mp4}], ...} and the trajectory as above
     POST /v1/rewards              {images: [base64 PNG/JPEG], prompts: [...]} → {scores, components}
     GET  /v1/health               rollout and reward replicas answer
     GET  /v1/lora                 adapter version of every rollout replica, and the published one
@@ -35,6 +37,7 @@ from ray.serve.exceptions import BackPressureError
 
 from app.config import RolloutConfig, SdeType, ServeConfig
 from app.image_size import side_problem
+from app.metrics import mp4_bytes
 from app.models.family import FAMILY_NAMES, get_family
 from app.types import MAX_SEED, GenerationRequest, RequestError, Trajectory
 from deployments.auth import LOOPBACK, OPEN_PATHS, KeyCheck
@@ -59,6 +62,15 @@ class ImageGenerationBody(BaseModel):
     embedded_guidance: float | None = Field(None, ge=0, le=30, description="a guidance-distilled model's guidance "
                                             "input (FLUX.1-dev); default: the deployment's")
     return_trajectory: bool = False
+
+
+class VideoGenerationBody(ImageGenerationBody):
+    """A group of videos: the generation fields, and how long each is, in frames or in seconds (not both)."""
+
+    num_frames: int | None = Field(None, ge=1, description="frames of each video (Wan: 4k + 1, e.g. 33 or 81); "
+                                   "default: the deployment's")
+    seconds: float | None = Field(None, gt=0, description="how long each video lasts at `fps`: seconds·fps + 1 frames")
+    fps: int = Field(16, ge=1, le=60, description="frames a second of the returned mp4s (Wan's: 16)")
 
 
 class ImageEditForm(ImageGenerationBody):
@@ -202,7 +214,7 @@ def trajectory_b64(traj: Trajectory) -> str:
 
     tensors = {k: v.contiguous() for k, v in traj.tensors().items() if k != "images"}
     metadata = {k: str(getattr(traj, k)) for k in ("prompt", "family", "noise_level", "sde_type", "seed",
-                                                     "lora_version", "height", "width", "guidance_scale",
+                                                     "lora_version", "height", "width", "num_frames", "guidance_scale",
                                                      "embedded_guidance_scale", "sde_window",
                                                      "image_guidance_scale", "cfg_interval", "cfg_renorm",
                                                      "cfg_renorm_min", "sample_offset")}
@@ -289,7 +301,37 @@ class ApiIngress:
 
     @app.post("/v1/images/generations")
     async def generate_images(self, body: ImageGenerationBody) -> dict:
+        if self.family.video:
+            raise ApiError(400, f"this deployment serves {self.family.name}, which generates videos: POST "
+                                "/v1/videos/generations", "prompt")
         return await self._respond(self._generation_request(body), body)
+
+    @app.post("/v1/videos/generations")
+    async def generate_videos(self, body: VideoGenerationBody) -> dict:
+        if not self.family.video:
+            raise ApiError(400, f"this deployment serves {self.family.name}, which generates images: POST "
+                                "/v1/images/generations", "prompt")
+        request = self._generation_request(body, num_frames=self._frames(body))
+        traj: Trajectory = await _unless_busy(self.rollout.generate.remote(request))
+        return self._response(traj, body, {"data": [{"b64_mp4": base64.b64encode(mp4_bytes(video, body.fps)).decode()}
+                                                    for video in traj.images.numpy()],
+                                           "num_frames": traj.num_frames, "fps": body.fps})
+
+    def _frames(self, body: VideoGenerationBody) -> int:
+        """Frames of each video the body asks for: num_frames, or seconds at fps, or the deployment's."""
+        if body.num_frames is not None and body.seconds is not None:
+            raise ApiError(400, "give num_frames or seconds, not both", "seconds")
+        param, frames = "num_frames", body.num_frames
+        if body.seconds is not None:
+            param, frames = "seconds", round(body.seconds * body.fps) + 1
+        frames = self.sampling.num_frames if frames is None else frames
+        if frames > self.limits.max_frames:
+            raise ApiError(400, f"{param}: {frames} frames is over this deployment's limit of {self.limits.max_frames}"
+                                " (serve.max_frames)", param)
+        if (why := self.family.frames_problem(frames)) is not None:
+            given = f"{body.seconds:g} s at {body.fps} fps is {frames} frames, which " if param == "seconds" else ""
+            raise ApiError(400, f"{param}: {given}{why}", param)
+        return frames
 
     @app.post("/v1/images/edits", openapi_extra=EDIT_FORM_SCHEMA)
     async def edit_images(self, form: Annotated[ImageEditForm, Form(media_type="multipart/form-data")]) -> dict:
@@ -306,11 +348,11 @@ class ApiIngress:
 
     async def _respond(self, request: GenerationRequest, body: ImageGenerationBody) -> dict:
         traj: Trajectory = await _unless_busy(self.rollout.generate.remote(request))
-        response = {
-            "created": int(time.time()),
-            "data": [{"b64_json": _png_b64(im)} for im in traj.images.numpy()],
-            "seed": traj.seed, "lora_version": traj.lora_version, "replica": traj.producer.get("replica"),
-        }
+        return self._response(traj, body, {"data": [{"b64_json": _png_b64(im)} for im in traj.images.numpy()]})
+
+    def _response(self, traj: Trajectory, body: ImageGenerationBody, media: dict) -> dict:
+        response = {"created": int(time.time()), **media, "seed": traj.seed, "lora_version": traj.lora_version,
+                    "replica": traj.producer.get("replica")}
         if body.return_trajectory:
             response["trajectory"] = {"format": "safetensors", "b64": trajectory_b64(traj)}
         return response

@@ -46,7 +46,8 @@ class RewardScorer:
             import torch
 
             torch.set_num_threads(torch_threads)
-        self.reward = build_reward(reward.weights, reward_options(reward, judge=judge), frames_every=reward.frames.every)
+        self.reward = build_reward(reward.weights, reward_options(reward, judge=judge),
+                                   frames_every=reward.frames.every)
         logging.getLogger("RapidOCR").setLevel(log_level)  # its own handler, INFO by default
         self.devices = {name: str(term.device) for name, (term, _) in self.reward.rewards.items()
                         if getattr(term, "device", None) is not None}

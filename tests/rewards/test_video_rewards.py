@@ -26,7 +26,8 @@ def test_an_image_term_scores_the_picked_frames_and_averages_them(every):
     jpeg = JpegCompressibilityReward()
     for i in range(2):
         picked = videos[i, ::every]
-        assert result.components["jpeg_compressibility"][i] == pytest.approx(np.mean(jpeg.score(picked, ["a"] * len(picked))))
+        expected = np.mean(jpeg.score(picked, ["a"] * len(picked)))
+        assert result.components["jpeg_compressibility"][i] == pytest.approx(expected)
     assert len(result.total) == 2
 
 
@@ -58,7 +59,8 @@ def test_a_composite_of_frames_and_time_weights_both():
     videos = rng.integers(0, 256, (2, 5, 16, 16, 3), dtype=np.uint8)
     result = build_reward({"jpeg_compressibility": 0.5, "temporal_consistency": 2.0}).score(videos, ["a", "b"])
     for i in range(2):
-        expected = 0.5 * result.components["jpeg_compressibility"][i] + 2.0 * result.components["temporal_consistency"][i]
+        parts = result.components
+        expected = 0.5 * parts["jpeg_compressibility"][i] + 2.0 * parts["temporal_consistency"][i]
         assert result.total[i] == pytest.approx(expected)
 
 
