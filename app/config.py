@@ -573,6 +573,10 @@ def _check_app(config: AppConfig | RunConfig) -> None:
                  f"keys and values): use {CUDA_GRAPH_MODES[mode]}")
     _require(rollout.engine in engines,
              f"rollout.engine={rollout.engine} cannot run model.family={model.family}: use one of {list(engines)}")
+    others = [e for e in engines if e != Engine.vllm_omni]
+    _require(rollout.engine != Engine.vllm_omni or get_family(model.family).vllm_omni.pipeline_class is not None,
+             f"rollout.engine=vllm_omni: the FlowGRPO pipeline of model.family={model.family} on vllm-omni (trajectory "
+             f"recording) is not there yet; use rollout.engine={' or '.join(others)}")
     _require(not rollout.merge_lora or rollout.engine != Engine.vllm_omni
              or get_family(model.family).vllm_omni.lora_delivery == "vllm_manager",
              f"rollout.merge_lora: vllm-omni's {model.family} pipeline applies its adapter with its own hooks and "

@@ -34,8 +34,9 @@ VLLM_OMNI = "vllm_omni"  # the serving engine's name (every family runs on it)
 class VllmOmniRecipe:
     """How vllm-omni serves a family (app/rollout/vllm_omni/engine.py reads it)."""
 
-    # our FlowGRPO pipeline subclass, by import path (vllm-omni imports it in its worker process)
-    pipeline_class: str
+    # our FlowGRPO pipeline subclass, by import path (vllm-omni imports it in its worker process); None: not built
+    # yet (the config refuses rollout.engine=vllm_omni for the family, naming its other engines)
+    pipeline_class: str | None
     # a deploy config shipped with vllm-omni (None: the engine's arguments alone)
     deploy_config: str | None = None
     # vllm-omni's deploy with a thinker stage before the DiT (`rollout.thinker_stage`; None: the family has none)

@@ -109,6 +109,12 @@ def test_a_run_config_names_a_frame_count_its_family_cannot_take():
         load("configs/tiny_cpu.yaml", ["rollout.num_frames=9"])
 
 
+def test_vllm_omni_without_its_wan_pipeline_is_refused_naming_the_engine_that_runs():
+    with pytest.raises(ConfigError, match="model.family=wan on vllm-omni .* is not there yet; use "
+                                          "rollout.engine=diffusers"):
+        load("configs/tiny_wan_cpu.yaml", ["rollout.engine=vllm_omni"])
+
+
 def test_a_prompt_over_umt5_s_limit_is_named(tiny_wan_dir):
     check = FAMILY.prompt_checker(tiny_wan_dir)
     assert check(GenerationRequest('a sign that says "OPEN"', num_frames=9, **FIELDS)) is None

@@ -72,7 +72,9 @@ FAMILY = Wan(
     checkpoint_layout="a diffusers Wan folder",
     supports_edits=False,
     video=True,
-    vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_wan.FlowGRPOWanPipeline"),
+    # vllm-omni 0.30 serves Wan (`wan2_2`); our FlowGRPO subclass of its pipeline (recording the SDE steps, Wan's
+    # schedule in place of its UniPC) is the next part of the Wan work: until then the config says so
+    vllm_omni=VllmOmniRecipe(pipeline_class=None),
     presets={"tiny-wan": Preset("app.models.wan.tiny:build_tiny_wan",
                                 "tiny random Wan (3D patches, self- and cross-attention, causal 3D VAE, UMT5): fp32, "
                                 "<1 MB, CPU"),
