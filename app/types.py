@@ -330,12 +330,44 @@ class Trajectory:
     def do_cfg(self) -> bool:
         return self.guidance_scale > 1
 
+    def __reduce__(self):
+        # on its way from a replica (Ray pickles with protocol 5), every tensor goes as a numpy array: an out-of-band
+        # buffer, written once into the object store and read there in place by the trainer, where torch's own
+        # pickling copies it into the pickle and out again (a video group's latents and frames are GBs)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["conditioning"] = {k: _as_array(v) for k, v in self.conditioning.items()}
+        return _rebuilt_trajectory, ({k: _as_array(v) for k, v in fields.items()},)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensor fields by name, `conditioning`'s as `conditioning.<name>` (for transport as safetensors)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if isinstance(getattr(self, f.name), torch.Tensor)}
         out.update({f"conditioning.{k}": v for k, v in self.conditioning.items()})
         return out
+
+
+def _as_array(value):
+    """A CPU tensor numpy can hold as that array (no copy); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype != torch.bfloat16:
+        return value.detach().contiguous().numpy()
+    return value
+
+
+def _rebuilt_trajectory(fields: dict) -> Trajectory:
+    import warnings
+
+    import numpy as np
+
+    def tensor(value):
+        if not isinstance(value, np.ndarray):
+            return value
+        with warnings.catch_warnings():  # the object store's buffers are read-only, and a trajectory is never written
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(value)
+
+    fields = {k: tensor(v) for k, v in fields.items()}
+    fields["conditioning"] = {k: tensor(v) for k, v in fields["conditioning"].items()}
+    return Trajectory(**fields)
 
 
 @dataclass
