@@ -151,3 +151,43 @@ def test_a_packed_adapter_unpacks_onto_a_gpu_while_the_default_stream_is_busy():
     for name, tensor in tensors.items():
         assert back.tensors[name].is_cuda and torch.equal(back.tensors[name].cpu(), tensor)
     torch.cuda.synchronize()
+
+
+def _video_traj() -> Trajectory:
+    request = GenerationRequest("a cat walks", height=32, width=48, num_frames=5, num_inference_steps=3, n=2,
+                                noise_level=0.7, sde_type="sde", guidance_scale=2.0, negative_prompt=" ")
+    return Trajectory.sampled(
+        request, seed=3, lora_version=1, family="wan",
+        images=torch.randint(0, 256, (2, 5, 32, 48, 3), dtype=torch.uint8), latents=torch.randn(2, 4, 16, 2, 4, 6),
+        log_probs=torch.randn(2, 3), timesteps=torch.rand(3), sigmas=torch.rand(4), prompt_embeds=torch.randn(7, 8),
+        prompt_mask=torch.ones(7, dtype=torch.long), negative_prompt_embeds=torch.randn(7, 8),
+        negative_prompt_mask=torch.ones(7, dtype=torch.long), conditioning={"expand_timesteps": torch.tensor(True)},
+        producer={"replica": "r1"})
+
+
+def test_a_video_trajectory_checks_its_frames_and_says_what_it_weighs():
+    traj = _video_traj()
+    assert traj.is_video and traj.nbytes == sum(t.nbytes for t in traj.tensors().values())
+    with pytest.raises(ValueError, match=r"images \(2, 32, 48, 3\) torch.uint8 must be uint8 \[2, 5, 32, 48, 3\]"):
+        Trajectory.sampled(GenerationRequest("a", height=32, width=48, num_frames=5, num_inference_steps=3, n=2,
+                                             noise_level=0.7, sde_type="sde"), seed=0, lora_version=0,
+                           images=torch.zeros(2, 32, 48, 3, dtype=torch.uint8), latents=traj.latents,
+                           log_probs=traj.log_probs, timesteps=traj.timesteps, sigmas=traj.sigmas,
+                           prompt_embeds=traj.prompt_embeds, prompt_mask=traj.prompt_mask)
+
+
+def test_a_trajectory_pickles_its_tensors_out_of_band_and_comes_back_whole():
+    """Pickle 5 (Ray's) carries every tensor byte as an out-of-band buffer: the pickle itself holds only the
+    scalars, and the rebuilt trajectory equals the sent one, field for field."""
+    import pickle
+
+    traj = _video_traj()
+    buffers = []
+    raw = pickle.dumps(traj, protocol=5, buffer_callback=buffers.append)
+    assert sum(b.raw().nbytes for b in buffers) == traj.nbytes and len(raw) < 2000
+    back = pickle.loads(raw, buffers=buffers)
+    for name, tensor in traj.tensors().items():
+        assert torch.equal(back.tensors()[name], tensor) and back.tensors()[name].dtype == tensor.dtype, name
+    assert (back.num_frames, back.producer, back.guidance_scale, back.seed) == (5, {"replica": "r1"}, 2.0, 3)
+    bf16 = _traj(prompt_embeds=torch.randn(5, 6, dtype=torch.bfloat16))  # numpy has no bfloat16: torch pickles it
+    assert torch.equal(pickle.loads(pickle.dumps(bf16, protocol=5)).prompt_embeds, bf16.prompt_embeds)
