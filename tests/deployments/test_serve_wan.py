@@ -38,21 +38,11 @@ def videos(url: str, **body):
 
 def frames_of(b64_mp4: str) -> list:
     """(width, height, fps) of each frame of an mp4."""
-    return [(frame.shape[1], frame.shape[0], fps) for frame, fps in decoded(b64_mp4)]
-
-
-def decoded(b64_mp4: str) -> list:
     import av
 
     with av.open(io.BytesIO(base64.b64decode(b64_mp4))) as container:
         stream = container.streams.video[0]
-        return [(frame.to_ndarray(format="rgb24"), float(stream.average_rate)) for frame in container.decode(stream)]
-
-
-def same_pixels(a: dict, b: dict) -> bool:
-    """The groups' videos decode to the same frames (the mp4 container itself carries a creation time)."""
-    return all((x[0] == y[0]).all() for va, vb in zip(a["data"], b["data"], strict=True)
-               for x, y in zip(decoded(va["b64_mp4"]), decoded(vb["b64_mp4"]), strict=True))
+        return [(frame.width, frame.height, float(stream.average_rate)) for frame in container.decode(stream)]
 
 
 def test_a_group_of_videos_with_its_trajectory_reproduced_from_its_seed(served):
@@ -68,9 +58,11 @@ def test_a_group_of_videos_with_its_trajectory_reproduced_from_its_seed(served):
     assert tensors["latents"].shape == (2, 4, 16, 2, 8, 8) and tensors["log_probs"].shape == (2, 3)
     meta = trajectory_metadata(raw)
     assert (meta["family"], meta["num_frames"], meta["guidance_scale"]) == ("wan", "5", "3.0")
-    again = videos(served, n=2, seed=5, num_frames=5, guidance=3.0, negative_prompt=" ").json()
-    assert same_pixels(again, body)
-    assert not same_pixels(videos(served, n=2, seed=6, num_frames=5, guidance=3.0, negative_prompt=" ").json(), body)
+    def latents(seed):  # the same seed, the same group (its mp4s are lossy: x264 may spend its bits otherwise)
+        again = videos(served, n=2, seed=seed, num_frames=5, return_trajectory=True, guidance=3.0, negative_prompt=" ")
+        return load(base64.b64decode(again.json()["trajectory"]["b64"]))["latents"]
+
+    assert latents(5).equal(tensors["latents"]) and not latents(6).equal(tensors["latents"])
     default = videos(served, n=1, seed=5, seconds=0.5, fps=16).json()  # 0.5 s at 16 fps: 9 frames
     assert default["num_frames"] == 9 and len(frames_of(default["data"][0]["b64_mp4"])) == 9
 
