@@ -239,3 +239,35 @@ def comparable(line: dict) -> dict:
     """An evaluation's figures, without its wall time and retries."""
     return {k: v for k, v in line.items() if k.startswith(("eval/", "sentinel/"))
             and k not in ("eval/seconds", "eval/retries")}
+
+
+def assert_a_trained_lora_loads(pipeline_class: str, checkpoint: Path, run_dir: Path, step: int, config: str) -> None:
+    """The run's adapter of `step` loads into the family's diffusers pipeline as a user loads it, with the config's
+    rank and targets, and changes the weights it is fused into (a trained adapter, not zeros)."""
+    import diffusers
+    import torch
+
+    from app.config import load
+
+    model = load(config).model
+    adapter = run_dir / "checkpoints" / f"checkpoint_step_{step:06d}" / "adapter"
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(checkpoint, dtype=torch.float32)
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    pipe.load_lora_weights(adapter)  # as a user loads it, into the base model's pipeline
+    lora = pipe.transformer.peft_config["default_0"]
+    assert (lora.r, sorted(lora.target_modules)) == (model.lora_rank, sorted(model.lora_targets))
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    after = pipe.transformer.state_dict()
+    assert any(not torch.equal(after[k], before[k]) for k in before)  # a trained adapter, not zeros
+
+
+def assert_evaluated_before_and_after(run_dir: Path, steps: int) -> None:
+    """Evaluations before the first step and after the last: the base's distance to itself 0, the adapter's not, 8
+    images each with a finite reward."""
+    import math
+
+    evaluations = eval_lines(run_dir)
+    assert sorted(evaluations) == [0, steps]
+    assert evaluations[0]["sentinel/distance_to_base"] == 0.0 and evaluations[steps]["sentinel/distance_to_base"] > 0
+    assert all(e["eval/images"] == 8 and math.isfinite(e["eval/reward/mean"]) for e in evaluations.values())

@@ -7,7 +7,7 @@ run through the same Serve app, and the adapter is saved as diffusers loads FLUX
 import math
 
 import pytest
-from job_runs import eval_lines, history, run_job
+from job_runs import assert_a_trained_lora_loads, assert_evaluated_before_and_after, history, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 STEPS = 4  # one checkpoint, evaluations before the first step and after the last
@@ -36,23 +36,5 @@ def test_tiny_flux_run_trains_on_policy_with_the_rollout_s_log_probs(flux_run):
 
 
 def test_tiny_flux_run_saves_a_diffusers_lora_and_evaluates(flux_run, tiny_flux_dir):
-    import torch
-    from diffusers import FluxPipeline
-
-    from app.config import load
-
-    model = load("configs/tiny_flux_cpu.yaml").model
-    adapter = flux_run / "checkpoints" / f"checkpoint_step_{STEPS:06d}" / "adapter"
-    pipe = FluxPipeline.from_pretrained(tiny_flux_dir, dtype=torch.float32)
-    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
-    pipe.load_lora_weights(adapter)  # as a user loads it, into the base model's pipeline
-    config = pipe.transformer.peft_config["default_0"]
-    assert (config.r, sorted(config.target_modules)) == (model.lora_rank, sorted(model.lora_targets))
-    pipe.fuse_lora()
-    pipe.unload_lora_weights()
-    after = pipe.transformer.state_dict()
-    assert any(not torch.equal(after[k], before[k]) for k in before)  # a trained adapter, not zeros
-    evaluations = eval_lines(flux_run)
-    assert sorted(evaluations) == [0, STEPS]
-    assert evaluations[0]["sentinel/distance_to_base"] == 0.0 and evaluations[STEPS]["sentinel/distance_to_base"] > 0
-    assert all(e["eval/images"] == 8 and math.isfinite(e["eval/reward/mean"]) for e in evaluations.values())
+    assert_a_trained_lora_loads("FluxPipeline", tiny_flux_dir, flux_run, STEPS, "configs/tiny_flux_cpu.yaml")
+    assert_evaluated_before_and_after(flux_run, STEPS)

@@ -7,7 +7,7 @@ saved as diffusers loads Z-Image LoRAs."""
 import math
 
 import pytest
-from job_runs import eval_lines, history, run_job
+from job_runs import assert_a_trained_lora_loads, assert_evaluated_before_and_after, history, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 STEPS = 4  # one checkpoint, evaluations before the first step and after the last
@@ -36,23 +36,5 @@ def test_tiny_z_image_run_trains_on_policy(z_image_run):
 
 
 def test_tiny_z_image_run_saves_a_diffusers_lora_and_evaluates(z_image_run, tiny_z_image_dir):
-    import torch
-    from diffusers import ZImagePipeline
-
-    from app.config import load
-
-    model = load("configs/tiny_z_image_cpu.yaml").model
-    adapter = z_image_run / "checkpoints" / f"checkpoint_step_{STEPS:06d}" / "adapter"
-    pipe = ZImagePipeline.from_pretrained(tiny_z_image_dir, dtype=torch.float32)
-    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
-    pipe.load_lora_weights(adapter)  # as a user loads it, into the base model's pipeline
-    config = pipe.transformer.peft_config["default_0"]
-    assert (config.r, sorted(config.target_modules)) == (model.lora_rank, sorted(model.lora_targets))
-    pipe.fuse_lora()
-    pipe.unload_lora_weights()
-    after = pipe.transformer.state_dict()
-    assert any(not torch.equal(after[k], before[k]) for k in before)  # a trained adapter, not zeros
-    evaluations = eval_lines(z_image_run)
-    assert sorted(evaluations) == [0, STEPS]
-    assert evaluations[0]["sentinel/distance_to_base"] == 0.0 and evaluations[STEPS]["sentinel/distance_to_base"] > 0
-    assert all(e["eval/images"] == 8 and math.isfinite(e["eval/reward/mean"]) for e in evaluations.values())
+    assert_a_trained_lora_loads("ZImagePipeline", tiny_z_image_dir, z_image_run, STEPS, "configs/tiny_z_image_cpu.yaml")
+    assert_evaluated_before_and_after(z_image_run, STEPS)

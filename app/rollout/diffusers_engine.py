@@ -116,14 +116,18 @@ class DiffusersEngine(LocalEngine):
         def run() -> torch.Tensor:
             with self._lock, torch.no_grad():
                 self._apply_staged()
-                out = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
-                                height=request.height, width=request.width,
-                                num_inference_steps=request.num_inference_steps, num_images_per_prompt=request.n,
-                                generator=sample_generators(seed, request.sample_offset, request.n),
-                                output_type="pt", **self.plain_guidance(request))
-                return (out.images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+                return self._plain(request, seed)
 
         return await asyncio.to_thread(run)
+
+    def _plain(self, request: GenerationRequest, seed: int) -> torch.Tensor:
+        """The stock pipeline's call for `generate_plain`, under the engine's lock: uint8 images [n, H, W, 3]."""
+        out = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
+                        width=request.width, num_inference_steps=request.num_inference_steps,
+                        num_images_per_prompt=request.n,
+                        generator=sample_generators(seed, request.sample_offset, request.n), output_type="pt",
+                        **self.plain_guidance(request))
+        return (out.images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
 
     def plain_guidance(self, request: GenerationRequest) -> dict:
         """The stock pipeline's guidance arguments for `request` (`generate_plain`)."""

@@ -43,7 +43,7 @@ from app.models.lora import (
 from app.models.lora_merge import KEEP_ON, MergedLora
 from app.models.precision import exact_fp32
 from app.rollout.seeding import draw_seed
-from app.types import GenerationRequest, LoraAdapter, Trajectory
+from app.types import GenerationRequest, LoraAdapter, RequestError, Trajectory
 
 
 class GroupCancelled(Exception):
@@ -182,6 +182,8 @@ class LocalEngine:
     async def generate(self, request: GenerationRequest) -> Trajectory:
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"expected a GenerationRequest, got {type(request).__name__}")
+        if (problem := get_family(self.family).request_problem(request)) is not None:  # frames: videos or images
+            raise RequestError(problem[0], getattr(request, problem[0]), problem[1])
         await self.start()
         seed = request.seed if request.seed is not None else draw_seed()
         cancelled = threading.Event()

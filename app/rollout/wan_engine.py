@@ -10,16 +10,14 @@ batch of N through the transformer; the VAE decodes them one at a time.
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from app.algo.sampling import sample_trajectory
 from app.models.wan import FAMILY
 from app.models.wan import model as wan
 from app.rollout.diffusers_engine import DiffusersEngine
-from app.rollout.seeding import draw_seed, sample_generators
-from app.types import GenerationRequest, RequestError, Trajectory
+from app.rollout.seeding import sample_generators
+from app.types import GenerationRequest, Trajectory
 
 
 class WanEngine(DiffusersEngine):
@@ -35,11 +33,6 @@ class WanEngine(DiffusersEngine):
         """UMT5's states [S, D] of one text as the pipeline encodes them (padded with zeros to S)."""
         return self.pipe.encode_prompt(text, do_classifier_free_guidance=False, device=self.device,
                                        max_sequence_length=wan.MAX_SEQUENCE_LENGTH)[0][0]
-
-    def _generate(self, request: GenerationRequest, seed: int) -> Trajectory:
-        if (problem := FAMILY.request_problem(request)) is not None:
-            raise RequestError(problem[0], request.num_frames, problem[1])
-        return super()._generate(request, seed)
 
     @torch.no_grad()
     def _generate_group(self, request: GenerationRequest, seed: int) -> Trajectory:
@@ -73,27 +66,16 @@ class WanEngine(DiffusersEngine):
             negative_prompt_mask=mask(neg_embeds) if request.do_cfg else None,
             conditioning=wan.conditioning(self.settings["expand_timesteps"]))
 
-    async def generate_plain(self, request: GenerationRequest) -> torch.Tensor:
+    def _plain(self, request: GenerationRequest, seed: int) -> torch.Tensor:
         """Stock `WanPipeline` sampling (its denoising loop, diffusers' Euler step on Wan's schedule in place of the
-        checkpoint's UniPC, no trajectory) of the same group: uint8 [n, F, H, W, 3]."""
-        await self.start()
-        seed = request.seed if request.seed is not None else draw_seed()
-
-        def run() -> torch.Tensor:
-            with self._lock, torch.no_grad():
-                self._apply_staged()
-                solver, self.pipe.scheduler = self.pipe.scheduler, wan.euler_scheduler(self.settings["flow_shift"])
-                try:
-                    out = self._plain(request, seed)
-                finally:
-                    self.pipe.scheduler = solver
-                return torch.from_numpy((out.frames * 255).round().astype("uint8"))
-
-        return await asyncio.to_thread(run)
-
-    def _plain(self, request: GenerationRequest, seed: int):
-        return self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
-                         width=request.width, num_frames=request.num_frames,
-                         num_inference_steps=request.num_inference_steps, num_videos_per_prompt=request.n,
-                         guidance_scale=request.guidance_scale, max_sequence_length=wan.MAX_SEQUENCE_LENGTH,
-                         generator=sample_generators(seed, request.sample_offset, request.n), output_type="np")
+        checkpoint's UniPC, no trajectory) of the group: uint8 [n, F, H, W, 3]."""
+        solver, self.pipe.scheduler = self.pipe.scheduler, wan.euler_scheduler(self.settings["flow_shift"])
+        try:
+            out = self.pipe(prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height,
+                            width=request.width, num_frames=request.num_frames,
+                            num_inference_steps=request.num_inference_steps, num_videos_per_prompt=request.n,
+                            guidance_scale=request.guidance_scale, max_sequence_length=wan.MAX_SEQUENCE_LENGTH,
+                            generator=sample_generators(seed, request.sample_offset, request.n), output_type="np")
+        finally:
+            self.pipe.scheduler = solver
+        return torch.from_numpy((out.frames * 255).round().astype("uint8"))
