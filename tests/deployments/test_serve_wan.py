@@ -1,7 +1,7 @@
-"""Wan served by Ray Serve: the diffusers Wan engine behind the load balancer. POST /v1/videos/generations returns
-the group as mp4s of the frames asked for (by count or by seconds at fps) and its trajectory (fp32 video latents of
-every step), and reproduces it from the seed; frame counts the VAE cannot take, durations over the limit and the
-images route get a 400 naming the field; the deployment keeps serving."""
+"""Wan served by Ray Serve: a vllm-omni replica (our FlowGRPO Wan pipeline) behind the load balancer. POST
+/v1/videos/generations returns the group as mp4s of the frames asked for (by count or by seconds at fps) and its
+trajectory (fp32 video latents of every step), and reproduces it from the seed; frame counts the VAE cannot take,
+durations over the limit and the images route get a 400 naming the field; the deployment keeps serving."""
 
 import base64
 import io
@@ -22,7 +22,7 @@ def served(serve_url, tiny_wan_dir):
     from deployments.builders import build_app
 
     args = {"model": {"family": "wan", "path": str(tiny_wan_dir), "dtype": "float32"},
-            "rollout": {"engine": "diffusers", "group_size": 2, "height": 64, "width": 64, "num_frames": 9,
+            "rollout": {"engine": "vllm_omni", "group_size": 2, "height": 64, "width": 64, "num_frames": 9,
                         "num_inference_steps": 3, "num_replicas": 1, "replica_num_cpus": 0.25},
             "reward": {"weights": {"jpeg_compressibility": 1.0}, "replica_num_cpus": 0.25},
             "serve": {"max_n": 4, "max_side": 128, "max_steps": 4, "max_frames": 17, "api_num_cpus": 0.1}}

@@ -109,10 +109,18 @@ def test_a_run_config_names_a_frame_count_its_family_cannot_take():
         load("configs/tiny_cpu.yaml", ["rollout.num_frames=9"])
 
 
-def test_vllm_omni_without_its_wan_pipeline_is_refused_naming_the_engine_that_runs():
+def test_vllm_omni_serves_wan_and_a_family_without_its_pipeline_is_refused(monkeypatch):
+    import dataclasses
+
+    from app import config
+    from app.models.family import VllmOmniRecipe, get_family
+
+    assert load("configs/tiny_wan_cpu.yaml").rollout.engine == "vllm_omni"
+    unbuilt = dataclasses.replace(FAMILY, vllm_omni=VllmOmniRecipe(pipeline_class=None))
+    monkeypatch.setattr(config, "get_family", lambda name: unbuilt if name == "wan" else get_family(name))
     with pytest.raises(ConfigError, match="model.family=wan on vllm-omni .* is not there yet; use "
                                           "rollout.engine=diffusers"):
-        load("configs/tiny_wan_cpu.yaml", ["rollout.engine=vllm_omni"])
+        load("configs/tiny_wan_cpu.yaml")
 
 
 def test_a_prompt_over_umt5_s_limit_is_named(tiny_wan_dir):

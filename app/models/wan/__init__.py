@@ -72,9 +72,12 @@ FAMILY = Wan(
     checkpoint_layout="a diffusers Wan folder",
     supports_edits=False,
     video=True,
-    # vllm-omni 0.30 serves Wan (`wan2_2`); our FlowGRPO subclass of its pipeline (recording the SDE steps, Wan's
-    # schedule in place of its UniPC) is the next part of the Wan work: until then the config says so
-    vllm_omni=VllmOmniRecipe(pipeline_class=None),
+    # vllm-omni 0.30 serves Wan (`wan2_2`): our FlowGRPO subclass of its pipeline records the SDE steps on Wan's
+    # flow schedule in place of its UniPC
+    vllm_omni=VllmOmniRecipe(pipeline_class="app.rollout.vllm_omni.pipeline_wan.FlowGRPOWanPipeline",
+                             # its DiT's layers: an output projection that is no list, the MLP's as attributes
+                             lora_renames=(("to_out.0", "to_out"), ("ffn.net.0", "ffn.net_0"),
+                                           ("ffn.net.2", "ffn.net_2"))),
     presets={"tiny-wan": Preset("app.models.wan.tiny:build_tiny_wan",
                                 "tiny random Wan (3D patches, self- and cross-attention, causal 3D VAE, UMT5): fp32, "
                                 "<1 MB, CPU"),

@@ -92,6 +92,11 @@ class _SwapGate:
 
 
 def _images_uint8(images) -> torch.Tensor:
+    """uint8 [n, H, W, 3] of an output's PIL images, or [n, F, H, W, 3] of its videos (float frames in [0, 1] in
+    arrays of [n, F, H, W, 3], rounded as the diffusers engine rounds them)."""
+    if images and isinstance(images[0], np.ndarray):
+        frames = np.concatenate([np.asarray(v, dtype=np.float32) for v in images])
+        return torch.from_numpy((np.clip(frames, 0, 1) * 255).round().astype(np.uint8))
     return torch.from_numpy(np.stack([np.asarray(im.convert("RGB"), dtype=np.uint8) for im in images]))
 
 
@@ -267,6 +272,8 @@ class VllmOmniEngine:
     async def generate(self, request: GenerationRequest) -> Trajectory:
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"expected a GenerationRequest, got {type(request).__name__}")
+        if (problem := self.face.request_problem(request)) is not None:  # frames: videos or images
+            raise RequestError(problem[0], getattr(request, problem[0]), problem[1])
         await self.start()
         seed = request.seed if request.seed is not None else draw_seed()
         busy = self._busy.enter()
@@ -308,17 +315,18 @@ class VllmOmniEngine:
         )
 
     async def generate_plain(self, request: GenerationRequest) -> torch.Tensor:
-        """Stock vllm-omni sampling (its scheduler's ODE step, no trajectory): uint8 [n, H, W, 3].
+        """Stock vllm-omni sampling (its scheduler's ODE step, no trajectory): uint8 [n, H, W, 3] ([n, F, H, W, 3]).
 
         The baseline for measuring what trajectory recording costs; the seed seeds vllm-omni's own generator.
         """
         await self.start()
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
+        video = {"num_frames": request.num_frames, "guidance_scale": request.guidance_scale} if request.is_video else {}
         params = OmniDiffusionSamplingParams(
             height=request.height, width=request.width, num_inference_steps=request.num_inference_steps,
             num_outputs_per_prompt=request.n, seed=request.seed if request.seed is not None else draw_seed(),
-            true_cfg_scale=request.guidance_scale)
+            true_cfg_scale=request.guidance_scale, **video)
         return _images_uint8((await self._run(request, params, kind="plain")).images)
 
     async def load_lora(self, adapter: LoraAdapter | None) -> int:
