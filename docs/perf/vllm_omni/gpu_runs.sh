@@ -5,7 +5,7 @@
 # installed (docs/perf/vllm_omni/README.md, "A lease"):
 #   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE | loop MODE
 #                                        | trainstep FAMILY | job FAMILY,NAME,STEPS
-# FAMILY: qwen_image | sd3 | bagel | flux | z_image; ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
+# FAMILY: qwen_image | sd3 | bagel | flux | z_image | wan (videos: a group of 8 at 480p, 33 frames); ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
 # (vllm-omni: its regional torch.compile, the adapter in vLLM's LoRA layers; ours: compiled blocks, the adapter
 # folded in where the config folds it) | merged (vllm-omni compiled with the adapter folded in: rollout.merge_lora)
 # | thinker (BAGEL on vllm-omni's two-stage deploy, eager: rollout.thinker_stage).
@@ -26,14 +26,16 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 # per family: run config, preset, bench size (groups per timed pass), the in-process engine's name
 declare -A CFG=([qwen_image]=configs/qwen_image_ocr_2gpu.yaml [sd3]=configs/sd35m_ocr.yaml [bagel]=configs/bagel_ocr.yaml
-                [flux]=configs/flux_ocr_2gpu.yaml [z_image]=configs/z_image_turbo_ocr_2gpu.yaml)
+                [flux]=configs/flux_ocr_2gpu.yaml [z_image]=configs/z_image_turbo_ocr_2gpu.yaml
+                [wan]=configs/wan_t2v_2gpu.yaml)
 declare -A PRESET=([qwen_image]="qwen-image-full" [sd3]="sd35-medium" [bagel]="bagel-real-width --layers 28"
-                   [flux]="flux1-dev" [z_image]="z-image")
-declare -A NGROUPS=([qwen_image]=2 [sd3]=1 [bagel]=2 [flux]=1 [z_image]=2)
-declare -A LOCAL=([qwen_image]=diffusers [sd3]=diffusers [bagel]=bagel [flux]=diffusers [z_image]=diffusers)
+                   [flux]="flux1-dev" [z_image]="z-image" [wan]="wan2.1-t2v-1.3b")
+declare -A NGROUPS=([qwen_image]=2 [sd3]=1 [bagel]=2 [flux]=1 [z_image]=2 [wan]=1)
+declare -A LOCAL=([qwen_image]=diffusers [sd3]=diffusers [bagel]=bagel [flux]=diffusers [z_image]=diffusers
+                  [wan]=diffusers)
 # what the config leaves to the user
 declare -A SET=([qwen_image]="" [sd3]="data.prompts=ocr_tiny" [bagel]="" [flux]="data.prompts=ocr_tiny"
-                [z_image]="data.prompts=ocr_tiny")
+                [z_image]="data.prompts=ocr_tiny" [wan]="data.prompts=ocr_tiny")
 read -r -a JOBARGS <<< "${JOBARGS:-}"
 
 case "$1" in
