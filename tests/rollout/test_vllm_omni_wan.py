@@ -112,3 +112,25 @@ def test_the_stock_pipeline_samples_videos_and_frames_are_checked(wan_vllm_engin
         with pytest.raises(RequestError, match=message) as err:
             aio(wan_vllm_engine.generate(request(num_frames=frames)))
         assert err.value.field == "num_frames"
+
+
+def test_a_merging_engine_samples_what_the_adapter_samples(wan_vllm_engine, aio, lora_v2):
+    """`rollout.merge_lora` on Wan: the adapter folded into vllm-omni's weights through the pipeline's loader (the fused
+    q/k/v, the MLP under its own names) samples what vLLM's LoRA layers sample, to fp32 rounding; the base model comes
+    back bit for bit. One engine in a process: the same engine serves the adapter both ways."""
+    from merging import assert_merged_is_the_adapter
+
+    groups = {"base": aio(wan_vllm_engine.generate(request()))}
+    try:
+        aio(wan_vllm_engine.load_lora(lora_v2))
+        groups["unmerged"] = aio(wan_vllm_engine.generate(request()))
+        aio(wan_vllm_engine.load_lora(None))
+        wan_vllm_engine.merge_lora = True
+        assert aio(wan_vllm_engine.load_lora(lora_v2)) == 2 and aio(wan_vllm_engine.health())["lora_merged"]
+        groups["merged"] = aio(wan_vllm_engine.generate(request()))
+        aio(wan_vllm_engine.load_lora(None))
+        groups["again"] = aio(wan_vllm_engine.generate(request()))
+    finally:
+        aio(wan_vllm_engine.load_lora(None))
+        wan_vllm_engine.merge_lora = False
+    assert_merged_is_the_adapter(groups, version=2, moved=1e-2)
