@@ -163,6 +163,16 @@ class SdeWindowConfig:
 
 
 @dataclass
+class OdeStepsConfig:
+    # the steps outside the SDE window (noise level 0, never scored by the trainer) computed more cheaply; the window's
+    # steps are untouched, so the first pass stays exact (app/rollout/ode_steps.py). "off", or "first_block":
+    # diffusers' First Block Cache (an ODE step runs the first block and, when its residual moved less than
+    # `threshold` since the last full step, reuses the other blocks' residual). The in-process diffusers engines
+    cache: str = "off"
+    threshold: float = 0.05
+
+
+@dataclass
 class RolloutConfig:
     # images per prompt group (the GRPO group size n); one request per group
     group_size: int = 8
@@ -192,6 +202,8 @@ class RolloutConfig:
     sde_type: SdeType = SdeType.sde
     # SDE noise on a window of the steps only (Flow-GRPO-Fast, MixGRPO); off by default
     sde_window: SdeWindowConfig = field(default_factory=SdeWindowConfig)
+    # cheaper ODE steps outside the window (off by default)
+    ode_steps: OdeStepsConfig = field(default_factory=OdeStepsConfig)
     # "vllm_omni" (the serving engine) or the family's in-process engine ("diffusers", "bagel": the reference)
     engine: Engine = Engine.vllm_omni
     # True: one request per group with num_outputs_per_prompt = n; False: n requests of one image (comparison)
@@ -609,6 +621,7 @@ def _check_app(config: AppConfig | RunConfig) -> None:
     _require(window.placement != WindowPlacement.fixed or window.start + window.size <= rollout.num_inference_steps,
              f"rollout.sde_window: a fixed window of {window.size} steps from start={window.start} does not fit in "
              f"{rollout.num_inference_steps} steps")
+    _check_ode_steps(rollout)
     _check_as_request(rollout)
     # videos or images: the family's rule (GenerationRequest knows no family)
     frames_problem = get_family(model.family).request_problem(rollout.request("a placeholder prompt"))
@@ -669,6 +682,23 @@ def _check_app(config: AppConfig | RunConfig) -> None:
 
 # the request fields a rollout section sets under another name
 _SECTION_KEYS = {"n": "group_size"}
+
+
+def _check_ode_steps(rollout: RolloutConfig) -> None:
+    from app.rollout.ode_steps import CACHES
+
+    ode = rollout.ode_steps
+    _require(ode.cache in CACHES, f"rollout.ode_steps.cache={ode.cache!r}: use one of {list(CACHES)}")
+    if ode.cache == "off":
+        return
+    _require(ode.threshold > 0, f"rollout.ode_steps.threshold={ode.threshold} must be > 0 (0.05: diffusers' default)")
+    _require(rollout.engine == Engine.diffusers,
+             f"rollout.ode_steps.cache={ode.cache}: the in-process diffusers engines cache their ODE steps; "
+             f"rollout.engine={rollout.engine} does not: use rollout.engine=diffusers or rollout.ode_steps.cache=off")
+    _require(0 < rollout.sde_window.size < rollout.num_inference_steps,
+             f"rollout.ode_steps.cache={ode.cache}: every step is an SDE step (rollout.sde_window.size="
+             f"{rollout.sde_window.size} of {rollout.num_inference_steps}), none is left to make cheaper: set an SDE "
+             "window (e.g. rollout.sde_window.size=2) or rollout.ode_steps.cache=off")
 
 
 def _check_as_request(rollout: RolloutConfig) -> None:

@@ -82,8 +82,8 @@ class DiffusersEngine(LocalEngine):
         v = qwen_image.group_velocity(pipe.transformer, timesteps, embeds, mask, neg_embeds, neg_mask, batch=n,
                                       height=request.height, width=request.width,
                                       guidance_scale=request.guidance_scale, device=self.device, dtype=embeds.dtype)
-        with self.phases("denoise"):
-            latents, log_probs = sample_trajectory(v, x, sigmas, request.step_noise_levels,
+        with self.phases("denoise"), self.cheaper_ode_steps(request) as cheaper:
+            latents, log_probs = sample_trajectory(cheaper(v), x, sigmas, request.step_noise_levels,
                                                    sde_type=request.sde_type, generators=generators)
         with self.phases("decode"):
             images = qwen_image.decode_images(pipe.vae, latents[:, -1].to(x.dtype), request.height, request.width)

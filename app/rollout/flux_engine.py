@@ -49,8 +49,8 @@ class FluxEngine(DiffusersEngine):
                                 height=request.height, width=request.width,
                                 embedded_guidance=request.embedded_guidance_scale,
                                 guidance_scale=request.guidance_scale, device=self.device, dtype=embeds.dtype)
-        with self.phases("denoise"):
-            latents, log_probs = sample_trajectory(v, x, sigmas, request.step_noise_levels,
+        with self.phases("denoise"), self.cheaper_ode_steps(request) as cheaper:
+            latents, log_probs = sample_trajectory(cheaper(v), x, sigmas, request.step_noise_levels,
                                                    sde_type=request.sde_type, generators=generators)
         with self.phases("decode"):
             images = flux.decode_images(pipe.vae, latents[:, -1].to(device=self.device, dtype=x.dtype),

@@ -20,6 +20,7 @@ is the base model's, and each version costs one fp32 recomputation of the adapte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -42,6 +43,7 @@ from app.models.lora import (
 )
 from app.models.lora_merge import KEEP_ON, MergedLora
 from app.models.precision import exact_fp32
+from app.rollout.ode_steps import OdeStepCache
 from app.rollout.seeding import draw_seed
 from app.types import GenerationRequest, LoraAdapter, RequestError, Trajectory
 
@@ -59,6 +61,8 @@ def _stop_if_cancelled(engine) -> None:
 class LocalEngine:
     kind = "local"
     family = ""  # the model family (app/models/) a subclass serves
+    # `rollout.ode_steps`: First Block Cache's threshold on the ODE steps outside the SDE window (None: off)
+    ode_cache_threshold: float | None = None
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
                  compile=None, lora: LoraShape | None = None, merge_lora: str | None = None,
@@ -91,13 +95,17 @@ class LocalEngine:
         self._cancelled = 0  # groups whose caller gave up, stopped early
         self._group_cancelled: threading.Event | None = None  # the running group's, set when its caller gives up
         self.phases = PhaseTimer()  # the group being generated: `with self.phases("denoise"): ...`
+        self._ode_stats: dict[str, int] = {}  # the last group's cached ODE steps (`cheaper_ode_steps`)
 
     @classmethod
     def from_config(cls, model, rollout) -> LocalEngine:
         """The engine of a run config's model and rollout sections."""
-        return cls(model.path, dtype=model.dtype, compile=model.compile, lora=LoraShape.of(model),
-                   merge_lora=str(rollout.merged_base_on) if rollout.merge_lora else None,
-                   attention_kernels=model.attention_kernels)
+        engine = cls(model.path, dtype=model.dtype, compile=model.compile, lora=LoraShape.of(model),
+                     merge_lora=str(rollout.merged_base_on) if rollout.merge_lora else None,
+                     attention_kernels=model.attention_kernels)
+        if rollout.ode_steps.cache == "first_block":
+            engine.ode_cache_threshold = rollout.ode_steps.threshold
+        return engine
 
     # ---- what a subclass provides ----------------------------------------------------------------------------
 
@@ -172,7 +180,24 @@ class LocalEngine:
                 traj.producer["compile_cache"] = cache_counts()  # this process's hits and misses so far
             if self.device.type == "cuda":
                 traj.producer["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            traj.producer.update(self._ode_stats)
             return traj
+
+    @contextlib.contextmanager
+    def cheaper_ode_steps(self, request: GenerationRequest):
+        """Yields what a group's velocity is wrapped in while it is sampled: First Block Cache on its ODE steps with
+        `rollout.ode_steps` on (ode_steps.py), the velocity itself otherwise. The cache's counts go to the producer."""
+        self._ode_stats = {}
+        levels = request.step_noise_levels
+        if self.ode_cache_threshold is None or all(level > 0 for level in levels):
+            yield lambda velocity: velocity
+            return
+        cache = OdeStepCache(self.trained_module(), self.ode_cache_threshold)
+        try:
+            yield lambda velocity: cache.velocity(velocity, levels)
+        finally:
+            cache.close()
+            self._ode_stats = cache.stats()
 
     def sample(self, request: GenerationRequest) -> Trajectory:
         """`generate` for synchronous code in one process (no event loop): the single-GPU baseline."""

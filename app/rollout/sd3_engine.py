@@ -48,8 +48,8 @@ class SD3Engine(DiffusersEngine):
         timesteps, sigmas = sd3.schedule(pipe.scheduler, request.num_inference_steps)
         v = sd3.group_velocity(pipe.transformer, timesteps, embeds, pooled, neg_embeds, neg_pooled, batch=n,
                                guidance_scale=request.guidance_scale, device=self.device, dtype=embeds.dtype)
-        with self.phases("denoise"):
-            latents, log_probs = sample_trajectory(v, x, sigmas, request.step_noise_levels,
+        with self.phases("denoise"), self.cheaper_ode_steps(request) as cheaper:
+            latents, log_probs = sample_trajectory(cheaper(v), x, sigmas, request.step_noise_levels,
                                                    sde_type=request.sde_type, generators=generators)
         with self.phases("decode"):
             images = sd3.decode_images(pipe.vae, latents[:, -1].to(device=self.device, dtype=x.dtype))

@@ -49,8 +49,8 @@ class WanEngine(DiffusersEngine):
                                guidance_scale=request.guidance_scale,
                                expand_timesteps=self.settings["expand_timesteps"], device=self.device,
                                dtype=self.dtype)
-        with self.phases("denoise"):
-            latents, log_probs = sample_trajectory(v, x, sigmas, request.step_noise_levels,
+        with self.phases("denoise"), self.cheaper_ode_steps(request) as cheaper:
+            latents, log_probs = sample_trajectory(cheaper(v), x, sigmas, request.step_noise_levels,
                                                    sde_type=request.sde_type, generators=generators)
         with self.phases("decode"):
             videos = wan.decode_videos(pipe.vae, latents[:, -1].to(self.device))

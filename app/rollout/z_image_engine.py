@@ -43,8 +43,8 @@ class ZImageEngine(DiffusersEngine):
         timesteps, sigmas = z_image.schedule(pipe.scheduler, request.num_inference_steps, tokens)
         v = z_image.group_velocity(pipe.transformer, timesteps, embeds, neg_embeds, batch=n,
                                    guidance_scale=request.guidance_scale, device=self.device, dtype=embeds.dtype)
-        with self.phases("denoise"):
-            latents, log_probs = sample_trajectory(v, x, sigmas, request.step_noise_levels,
+        with self.phases("denoise"), self.cheaper_ode_steps(request) as cheaper:
+            latents, log_probs = sample_trajectory(cheaper(v), x, sigmas, request.step_noise_levels,
                                                    sde_type=request.sde_type, generators=generators)
         with self.phases("decode"):
             images = z_image.decode_images(pipe.vae, latents[:, -1].to(self.device))
