@@ -106,3 +106,21 @@ def test_bench_ocr_prints_one_json_line(capfd):
     result = json.loads(lines[-1])
     assert result["same_scores"] is True and result["mean_score"] > 0.5
     assert set(result["images_per_s"]) == {"1", "2"} and result["speedup"]["1"] == 1.0
+
+
+def test_bench_ode_steps_prints_one_json_line(capfd, tiny_model_dir):
+    """Cheaper ODE steps against every block on the same groups, in this process: at a threshold every ODE step
+    after a full one falls under, the cache is used, the window's log-probs stay the reference's bit for bit and the
+    rewards move (each setting's figures on one line)."""
+    from jobs.bench_ode_steps import main
+
+    assert main(["--config", "configs/tiny_cpu.yaml", "--groups", "2", "--thresholds", "1e9", "--",
+                 f"model.path={tiny_model_dir}", "model.build_tiny=false", "rollout.engine=diffusers",
+                 "rollout.sde_window.size=1", "rollout.sde_window.placement=fixed"]) == 0
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1])
+    cached = result["first_block_1000000000.0"]
+    assert result["images"] == 8 and result["full"]["images_per_s"] > 0 and cached["speedup"] > 0
+    # the ODE steps 1-3: the first runs every block, the other two reuse its residual
+    assert cached["window_logprobs_exact"] is True and cached["ode_forwards_cached_share"] == 0.667
+    assert cached["reward_shift"] != 0.0 and cached["reward_seed_std"] == result["full"]["reward_std"]

@@ -1,0 +1,117 @@
+"""Cheaper ODE steps (`rollout.ode_steps`) against the full computation, side by side on the same groups: the
+rollout's speed, the reward's distribution, and the window's exactness.
+
+    python -m jobs.bench_ode_steps --config configs/tiny_cpu.yaml rollout.engine=diffusers rollout.sde_window.size=2
+    python -m jobs.bench_ode_steps --config configs/qwen_image_ocr_2gpu.yaml --groups 8 model.path=DIR \
+        rollout.engine=diffusers --thresholds 0.05 0.1
+
+The run's prompts, groups and SDE windows (`group_request`, the run's seed, training step 0), sampled by the
+in-process diffusers engine once with every block (the reference) and once per First Block Cache threshold, each
+setting's passes after one warm-up group of each. Prints one JSON line: per setting the images/s (median of
+--repeats passes over every group), the share of ODE forwards that reused the cache, the reward's mean and spread
+over every image, and against the reference: the speed-up, the mean of the per-image reward differences with its
+standard error (paired: same seeds), the seed-to-seed spread of the reference's rewards, and whether every group's
+log-probs (the window's: the only ones the trainer scores) are the reference's bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from app.config import load
+from app.models.family import get_family
+from app.prompt_sets import load_prompts
+from app.rewards import build_reward
+from app.train.prompts import group_request, step_prompts
+from deployments.reward import reward_options
+from deployments.rollout import make_engine
+from jobs.report import emit_json_line
+
+
+def _pass(engine, requests, threshold: float | None) -> tuple[float, list]:
+    engine.ode_cache_threshold = threshold
+    try:
+        began = time.perf_counter()
+        trajs = [engine.sample(r) for r in requests]
+        return time.perf_counter() - began, trajs
+    finally:
+        engine.ode_cache_threshold = None
+
+
+def _rewards(reward, trajs) -> list[float]:
+    return [x for t in trajs for x in reward.score(t.images, [t.prompt] * t.group_size).total]
+
+
+def bench(config, groups: int, thresholds: list[float], repeats: int) -> dict:
+    ro = config.rollout
+    if ro.sde_window.size == 0 or ro.sde_window.size >= ro.num_inference_steps:
+        raise SystemExit("bench_ode_steps: every step is an SDE step: set rollout.sde_window.size (e.g. 2)")
+    family = get_family(config.model.family)
+    if config.model.build_tiny:
+        family.build_tiny(config.model.path, seed=config.model.tiny_seed)
+    engine = make_engine(config.model, config.rollout)
+    if not hasattr(engine, "ode_cache_threshold") or engine.kind != "diffusers":
+        raise SystemExit(f"bench_ode_steps: the {engine.kind} engine does not cache ODE steps; use "
+                         "rollout.engine=diffusers")
+    engine.load()
+    prompts = load_prompts(config.data.prompts)
+    chosen = step_prompts(prompts, 0, groups, seed=config.train.seed, shuffle=config.data.shuffle)
+    requests = [group_request(ro, prompt, group, seed=config.train.seed) for group, prompt in chosen]
+    settings = [None, *thresholds]
+    for threshold in settings:  # warm-up: first-call allocations (and compilation) of each setting
+        _pass(engine, requests[:1], threshold)
+    seconds: dict = {s: [] for s in settings}
+    trajs: dict = {}
+    for _ in tqdm(range(repeats), desc="passes", file=sys.stderr, leave=False):
+        for threshold in settings:  # interleaved: a drift of the machine touches every setting alike
+            took, trajs[threshold] = _pass(engine, requests, threshold)
+            seconds[threshold].append(took)
+    reward = build_reward(config.reward.weights, reward_options(config.reward, ocr_threads=1),
+                          frames_every=config.reward.frames.every)
+    scores = {s: _rewards(reward, trajs[s]) for s in settings}
+    images = sum(r.n for r in requests)
+    full_s, full = statistics.median(seconds[None]), scores[None]
+    result = {"bench": "ode_steps", "engine": engine.kind, "device": str(engine.device), "family": family.name,
+              "groups": groups, "images": images, "steps": ro.num_inference_steps, "sde_window": ro.sde_window.size,
+              "full": {"images_per_s": round(images / full_s, 4), "reward_mean": statistics.fmean(full),
+                       "reward_std": statistics.stdev(full) if len(full) > 1 else 0.0}}
+    for threshold in thresholds:
+        got, took = scores[threshold], statistics.median(seconds[threshold])
+        diffs = [a - b for a, b in zip(got, full, strict=True)]
+        forwards = sum(t.producer.get("ode_forwards", 0) for t in trajs[threshold])
+        cached = sum(t.producer.get("ode_forwards_cached", 0) for t in trajs[threshold])
+        exact = all(torch.equal(a.log_probs, b.log_probs) for a, b in zip(trajs[threshold], trajs[None], strict=True))
+        result[f"first_block_{threshold}"] = {
+            "images_per_s": round(images / took, 4), "speedup": round(full_s / took, 3),
+            "ode_forwards_cached_share": round(cached / forwards, 3) if forwards else 0.0,
+            "reward_mean": statistics.fmean(got), "reward_std": statistics.stdev(got) if len(got) > 1 else 0.0,
+            "reward_shift": statistics.fmean(diffs),
+            "reward_shift_se": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0,
+            "reward_seed_std": result["full"]["reward_std"], "window_logprobs_exact": exact}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--groups", type=int, default=8, help="prompt groups (8 groups of 8: 64 images)")
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.05],
+                        help="First Block Cache thresholds to compare with the full computation")
+    parser.add_argument("--repeats", type=int, default=1, help="timed passes per setting (median reported)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    args = parser.parse_args(argv)
+    if any(t <= 0 for t in args.thresholds):
+        parser.error("--thresholds must be > 0")
+    config = load(args.config, args.overrides)
+    emit_json_line(bench(config, args.groups, args.thresholds, args.repeats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
