@@ -1,7 +1,7 @@
 """`python -m jobs.train` on the tiny Wan config end to end, in a fresh process as a user runs it: a vllm-omni
 replica (our FlowGRPO Wan pipeline) behind Serve generating groups of videos, the reward replica scoring every other
 frame's JPEG size and the videos' temporal consistency, two FSDP2 workers training a LoRA of the transformer. The
-trainer's first pass is exact (its own old log-probs; vllm-omni's are within 1e-5 of them), every step logs what its
+trainer's first pass is exact (its own old log-probs; vllm-omni's are within 1e-6 of them), every step logs what its
 groups weighed (`rollout/trajectory_mb`), the logged steps leave an mp4 and a filmstrip a person can look at,
 evaluations run through the same Serve app, and the adapter is saved as diffusers loads Wan LoRAs."""
 
@@ -35,7 +35,7 @@ def test_tiny_wan_run_trains_on_policy_and_logs_what_its_groups_weigh(wan_run):
     latents, frames = 4 * 5 * 16 * 3 * 8 * 8 * 4, 4 * 9 * 64 * 64 * 3
     small = 4 * 4 * 4 + 4 * 4 + 5 * 4 + 512 * 32 * 4 + 512 * 8 + 1
     for step, r in enumerate(records, start=1):
-        assert r["actor/ratio_dev_first_pass_max"] == 0.0 and r["rollout/logprob_mismatch_max"] <= 1e-5
+        assert r["actor/ratio_dev_first_pass_max"] == 0.0 and r["rollout/logprob_mismatch_max"] <= 1e-6
         assert r["rollout/adapter_version"] == step and math.isfinite(r["actor/loss"]) and r["perf/useful_tflop"] > 0
         assert r["rollout/trajectory_mb_max"] == pytest.approx((latents + frames + small) / 2**20)
         assert 0 < r["reward/temporal_consistency/mean"] <= 1 and r["reward/jpeg_compressibility/mean"] < 0

@@ -70,19 +70,22 @@ class OdeStepCache:
             self.transformer.disable_cache()  # its states go with it: the next ODE steps start afresh
         self.on = on
 
-    def _name_the_cache(self, module, args) -> None:
-        from diffusers.hooks import HookRegistry
-
-        HookRegistry.check_if_exists_or_initialize(module)._set_context(f"forward{self.forwards}")
-        self.forwards += 1
-
-    def _count(self, module, args, output) -> None:
+    def _states(self):
+        """The cache's states (one state manager shared by every hooked block, read from the first block's hook)."""
         from diffusers.hooks import HookRegistry
         from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
 
-        head = HookRegistry.check_if_exists_or_initialize(self.blocks[0]).get_hook(_FBC_LEADER_BLOCK_HOOK)
+        return HookRegistry.check_if_exists_or_initialize(self.blocks[0]).get_hook(_FBC_LEADER_BLOCK_HOOK).state_manager
+
+    def _name_the_cache(self, module, args) -> None:
+        # on the state manager itself: the model's `cache_context` reaches the blocks through a list of their hook
+        # registries it caches at its first use (a pipeline's `cache_context` before the cache was on leaves it empty)
+        self._states().set_context(f"forward{self.forwards}")
+        self.forwards += 1
+
+    def _count(self, module, args, output) -> None:
         self.ode_forwards += 1
-        self.cached_forwards += not head.state_manager.get_state().should_compute
+        self.cached_forwards += not self._states().get_state().should_compute
 
 
 def _blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:

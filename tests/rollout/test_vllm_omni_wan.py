@@ -1,8 +1,8 @@
 """Wan rollouts on the real vllm-omni engine (our FlowGRPO Wan pipeline on vllm-omni's `Wan22Pipeline`, CPU platform)
 and the tiny Wan: a group is N videos with every step recorded on Wan's flow schedule (the checkpoint's shift, not
 vllm-omni's UniPC); seeds reproduce a group whatever the batching; the trainer's log-probs equal vllm-omni's within
-1e-5 with and without CFG and a LoRA served in memory; the diffusers engine draws the same videos (latents within
-1e-3: vllm-omni runs its own Wan transformer, vLLM's fused q/k/v and norms; frames within one level of 255)."""
+1e-6 with and without CFG and a LoRA served in memory (not bit for bit: vLLM fuses q/k/v); the diffusers engine draws
+the same videos (latents within 1e-5, frames within one level of 255)."""
 
 import pytest
 import torch
@@ -13,8 +13,8 @@ from app.models.wan import model as wan
 from app.types import GenerationRequest, RequestError
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]  # vllm-omni's engine in its own process
-PARITY_TOL = 1e-5
-ENGINES_TOL = 1e-3
+PARITY_TOL = 1e-6
+ENGINES_TOL = 1e-5
 # the trainer runs where the engines run: the CPU here, CUDA on a GPU machine
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

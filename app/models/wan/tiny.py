@@ -20,11 +20,13 @@ import torch
 
 from app.models.builds import train_tokenizer, write_build
 
-BUILDER_VERSION = 2  # bump when the architecture below changes, so cached checkpoints are rebuilt
+BUILDER_VERSION = 3  # bump when the architecture below changes, so cached checkpoints are rebuilt
 
 TEXT_HIDDEN = 32  # == transformer text_dim
 LATENT_CHANNELS = 16
-TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=LATENT_CHANNELS,
+# a head of 24: vllm-omni 0.30's Wan RoPE splits a head by head // 3 where its frequencies were built by 2 (head // 6)
+# (the same at Wan's 128, not at 16), so a smaller head would not be the model vllm-omni serves
+TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=24, in_channels=LATENT_CHANNELS,
                    out_channels=LATENT_CHANNELS, text_dim=TEXT_HIDDEN, freq_dim=32, ffn_dim=64, num_layers=2,
                    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 VAE = dict(base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],

@@ -4,7 +4,7 @@
 # through docs/perf/kernels/lease.sh (RUNS=docs/perf/vllm_omni/gpu_runs.sh), after the pinned stack was carried and
 # installed (docs/perf/vllm_omni/README.md, "A lease"):
 #   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE | loop MODE
-#                                        | trainstep FAMILY | job FAMILY,NAME,STEPS
+#                                        | trainstep FAMILY | job FAMILY,NAME,STEPS | odesteps FAMILY
 # FAMILY: qwen_image | sd3 | bagel | flux | z_image | wan (videos: a group of 8 at 480p, 33 frames); ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
 # (vllm-omni: its regional torch.compile, the adapter in vLLM's LoRA layers; ours: compiled blocks, the adapter
 # folded in where the config folds it) | merged (vllm-omni compiled with the adapter folded in: rollout.merge_lora)
@@ -91,6 +91,15 @@ case "$1" in
       model.path="$MODELS/$family" model.compile.cache_dir=$CACHE ${SET[$family]} "${EXTRA[@]}" 2>"$OUT/${family}_trainstep.err" \
       | tail -1 | sed "s/^{/{\"run\": \"${family}_trainstep\", /" | tee -a "$OUT/bench_train_step.jsonl"
     tail -n 3 "$OUT/${family}_trainstep.err" ;;
+  odesteps)  # odesteps FAMILY: cheaper ODE steps (rollout.ode_steps) against every block, the diffusers engine
+    # compiled, the run's groups and seeds (issue 54: speed-up, reward shift beside the seed-to-seed spread)
+    family=$2
+    read -r -a thresholds <<< "${THRESHOLDS:-0.05 0.1}"
+    timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_ode_steps --config ${CFG[$family]} --groups ${ODE_GROUPS:-8} \
+      model.path="$MODELS/$family" rollout.engine=${LOCAL[$family]} model.compile.cache_dir=$CACHE ${SET[$family]} \
+      rollout.sde_window.size=2 "rollout.sde_window.range=[0,5]" "${EXTRA[@]}" --thresholds "${thresholds[@]}" 2>"$OUT/${family}_ode_steps.err" | tail -1 \
+      | sed "s/^{/{\"run\": \"${family}_ode_steps\", /" | tee -a "$OUT/bench_ode_steps.jsonl"
+    tail -n 3 "$OUT/${family}_ode_steps.err" ;;
   job)  # job FAMILY,NAME,STEPS: the family's 2-GPU recipe in jobs.train, JPEG reward, pipelined
     IFS=, read -r family name steps <<< "$2"
     timeout ${JOB_TIMEOUT:-560} python -m jobs.train --config ${CFG[$family]} model.path="$MODELS/$family" \
