@@ -56,7 +56,7 @@ def bench(config, groups: int, thresholds: list[float], repeats: int) -> dict:
     if config.model.build_tiny:
         family.build_tiny(config.model.path, seed=config.model.tiny_seed)
     engine = make_engine(config.model, config.rollout)
-    if not hasattr(engine, "ode_cache_threshold") or engine.kind != "diffusers":
+    if engine.kind != "diffusers":
         raise SystemExit(f"bench_ode_steps: the {engine.kind} engine does not cache ODE steps; use "
                          "rollout.engine=diffusers")
     engine.load()

@@ -49,7 +49,7 @@ case "$1" in
     timeout ${TESTS_TIMEOUT:-1500} python -m pytest -p no:cacheprovider -m gpu -rA --tb=short --durations=0 \
       tests/rollout/test_vllm_omni_engine.py tests/rollout/test_sd3_engines.py tests/rollout/test_vllm_omni_bagel.py \
       tests/rollout/test_bagel_thinker.py tests/rollout/test_z_image_engines.py tests/rollout/test_flux_engines.py \
-      tests/rollout/test_vllm_omni_wan.py > "$OUT/gpu_tests.txt" 2>&1
+      tests/rollout/test_wan_engines.py > "$OUT/gpu_tests.txt" 2>&1
     echo "pytest exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -n 40 ;;
   sd3diag)  # the building blocks where vllm-omni's SD3 and diffusers' differ, fp32 on the GPU
     python docs/perf/vllm_omni/sd3_kernels.py 2>&1 | tail -n 40 | tee "$OUT/sd3_kernels.txt" ;;
