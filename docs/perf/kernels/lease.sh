@@ -43,7 +43,7 @@ start_lane() {  # start_lane N GPUS DEPS STAGE...: lane N on GPUS (empty: every 
     run_stages $dir/out $(printf '%q ' "$@"); touch $dir/done" > $dir/stages.log 2>&1 < /dev/null &
 }
 pack() {
-  tar czf $OUT/kernels.tgz --exclude='*.tgz*' -C $RES . 2>/dev/null
+  tar czf $OUT/.kernels.tgz --exclude='*.tgz*' -C $RES . 2>/dev/null; mv $OUT/.kernels.tgz $OUT/kernels.tgz  # whole or none
   if all_done && [ "${PACK_CACHE:-1}" = 1 ] && [ -d /tmp/compile_cache ]; then
     tar czf - -C /tmp compile_cache | split -b 15m - $OUT/compile_cache_kernels.tgz.part
   fi
@@ -71,6 +71,10 @@ case "$1" in
          done ;;
   wait)  # a machine without lanes is a fresh one (the last went back): say so now rather than idle its time away
     [ -f $RES/lanes ] || { echo "lease.sh wait: no stages on this machine (a fresh one: start them again)"; exit 3; }
-    end=$((SECONDS + $2)); until all_done || [ $SECONDS -ge $end ]; do sleep 5; done
-        pack ;;
+    # every minute a pack of what is done: a call cut short by the session's device time still brings that home
+    end=$((SECONDS + $2)); next=$((SECONDS + 60))
+    until all_done || [ $SECONDS -ge $end ]; do
+      sleep 5; [ $SECONDS -ge $next ] && { PACK_CACHE=0 pack > /dev/null 2>&1; next=$((SECONDS + 60)); }
+    done
+    pack ;;
 esac

@@ -46,10 +46,12 @@ case "$1" in
 'vllm_omni', vllm_omni.__version__, 'diffusers', diffusers.__version__)"; df -h /tmp | tail -1; } 2>&1 | tee "$OUT/device.txt"
     rm -rf /tmp/w ;;  # the carried wheels, installed: their disk back
   tests)  # every family's engine tests on vllm-omni's CUDA platform (`-m gpu` selects them on a GPU machine)
+    # TEST_FILES narrows the run (a lease that already has the others' summary lines)
+    files=${TEST_FILES:-tests/rollout/test_vllm_omni_engine.py tests/rollout/test_sd3_engines.py
+      tests/rollout/test_vllm_omni_bagel.py tests/rollout/test_bagel_thinker.py tests/rollout/test_z_image_engines.py
+      tests/rollout/test_flux_engines.py tests/rollout/test_wan_engines.py}
     timeout ${TESTS_TIMEOUT:-1500} python -m pytest -p no:cacheprovider -m gpu -rA --tb=short --durations=0 \
-      tests/rollout/test_vllm_omni_engine.py tests/rollout/test_sd3_engines.py tests/rollout/test_vllm_omni_bagel.py \
-      tests/rollout/test_bagel_thinker.py tests/rollout/test_z_image_engines.py tests/rollout/test_flux_engines.py \
-      tests/rollout/test_wan_engines.py > "$OUT/gpu_tests.txt" 2>&1
+      $files > "$OUT/gpu_tests.txt" 2>&1
     echo "pytest exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -n 40 ;;
   sd3diag)  # the building blocks where vllm-omni's SD3 and diffusers' differ, fp32 on the GPU
     python docs/perf/vllm_omni/sd3_kernels.py 2>&1 | tail -n 40 | tee "$OUT/sd3_kernels.txt" ;;
