@@ -165,11 +165,14 @@ class SdeWindowConfig:
 @dataclass
 class OdeStepsConfig:
     # the steps outside the SDE window (noise level 0, never scored by the trainer) computed more cheaply; the window's
-    # steps are untouched, so the first pass stays exact (app/rollout/ode_steps.py). "off", or "first_block":
+    # steps are untouched, so the first pass stays exact (app/rollout/ode_steps.py). "none", or "first_block":
     # diffusers' First Block Cache (an ODE step runs the first block and, when its residual moved less than
     # `threshold` since the last full step, reuses the other blocks' residual). The in-process diffusers engines
-    cache: str = "off"
+    cache: str = "none"
     threshold: float = 0.05
+    # "model" (the model's dtype) or "fp8": the blocks' linear layers multiply in float8 e4m3 on those steps (GPUs of
+    # compute capability 8.9 or newer: Ada, Hopper, Blackwell; the CPU's FP8 GEMM for the tests). Either or both
+    precision: str = "model"
 
 
 @dataclass
@@ -685,20 +688,27 @@ _SECTION_KEYS = {"n": "group_size"}
 
 
 def _check_ode_steps(rollout: RolloutConfig) -> None:
-    from app.rollout.ode_steps import CACHES
+    from app.rollout.ode_steps import CACHES, PRECISIONS
 
     ode = rollout.ode_steps
     _require(ode.cache in CACHES, f"rollout.ode_steps.cache={ode.cache!r}: use one of {list(CACHES)}")
-    if ode.cache == "off":
+    _require(ode.precision in PRECISIONS,
+             f"rollout.ode_steps.precision={ode.precision!r}: use one of {list(PRECISIONS)}")
+    on = [f"{key}={value}" for key, value, off in (("cache", ode.cache, "none"), ("precision", ode.precision, "model"))
+          if value != off]
+    if not on:
         return
-    _require(ode.threshold > 0, f"rollout.ode_steps.threshold={ode.threshold} must be > 0 (0.05: diffusers' default)")
+    what = "rollout.ode_steps." + ", ".join(on)
+    if ode.cache != "none":
+        _require(ode.threshold > 0,
+                 f"rollout.ode_steps.threshold={ode.threshold} must be > 0 (0.05: diffusers' default)")
     _require(rollout.engine == Engine.diffusers,
-             f"rollout.ode_steps.cache={ode.cache}: the in-process diffusers engines cache their ODE steps; "
-             f"rollout.engine={rollout.engine} does not: use rollout.engine=diffusers or rollout.ode_steps.cache=off")
+             f"{what}: the in-process diffusers engines make their ODE steps cheaper; rollout.engine="
+             f"{rollout.engine} does not: use rollout.engine=diffusers or leave rollout.ode_steps off")
     _require(0 < rollout.sde_window.size < rollout.num_inference_steps,
-             f"rollout.ode_steps.cache={ode.cache}: every step is an SDE step (rollout.sde_window.size="
-             f"{rollout.sde_window.size} of {rollout.num_inference_steps}), none is left to make cheaper: set an SDE "
-             "window (e.g. rollout.sde_window.size=2) or rollout.ode_steps.cache=off")
+             f"{what}: every step is an SDE step (rollout.sde_window.size={rollout.sde_window.size} of "
+             f"{rollout.num_inference_steps}), none is left to make cheaper: set an SDE window (e.g. "
+             "rollout.sde_window.size=2) or leave rollout.ode_steps off")
 
 
 def _check_as_request(rollout: RolloutConfig) -> None:

@@ -3,15 +3,16 @@ rollout's speed, the reward's distribution, and the window's exactness.
 
     python -m jobs.bench_ode_steps --config configs/tiny_cpu.yaml rollout.engine=diffusers rollout.sde_window.size=2
     python -m jobs.bench_ode_steps --config configs/qwen_image_ocr_2gpu.yaml --groups 8 model.path=DIR \
-        rollout.engine=diffusers --thresholds 0.05 0.1
+        rollout.engine=diffusers --thresholds 0.05 0.1 --fp8
 
 The run's prompts, groups and SDE windows (`group_request`, the run's seed, training step 0), sampled by the
-in-process diffusers engine once with every block (the reference) and once per First Block Cache threshold, each
-setting's passes after one warm-up group of each. Prints one JSON line: per setting the images/s (median of
---repeats passes over every group), the share of ODE forwards that reused the cache, the reward's mean and spread
-over every image, and against the reference: the speed-up, the mean of the per-image reward differences with its
-standard error (paired: same seeds), the seed-to-seed spread of the reference's rewards, and whether every group's
-log-probs (the window's: the only ones the trainer scores) are the reference's bit for bit.
+in-process diffusers engine once at full cost (the reference), once per First Block Cache threshold and, with --fp8,
+once with FP8 matmuls on the ODE steps, each setting's passes after one warm-up group of each. Prints one JSON line:
+per setting the images/s (median of --repeats passes over every group), the share of ODE forwards that reused the
+cache or the FP8 weights' quantization a group, the reward's mean and spread over every image, and against the
+reference: the speed-up, the mean of the per-image reward differences with its standard error (paired: same seeds),
+the seed-to-seed spread of the reference's rewards, and whether the log-probs of the groups whose window comes first
+(no cheaper step before it) are the reference's bit for bit.
 """
 
 from __future__ import annotations
@@ -32,23 +33,29 @@ from app.train.prompts import group_request, step_prompts
 from deployments.reward import reward_options
 from deployments.rollout import make_engine
 from jobs.report import emit_json_line
+from app.rollout.ode_steps import check_fp8_device
 
 
-def _pass(engine, requests, threshold: float | None) -> tuple[float, list]:
-    engine.ode_cache_threshold = threshold
+def _pass(engine, requests, setting: tuple[float | None, bool]) -> tuple[float, list]:
+    engine.ode_cache_threshold, engine.ode_fp8 = setting
     try:
         began = time.perf_counter()
         trajs = [engine.sample(r) for r in requests]
         return time.perf_counter() - began, trajs
     finally:
-        engine.ode_cache_threshold = None
+        engine.ode_cache_threshold, engine.ode_fp8 = None, False
+
+
+def _name(setting: tuple[float | None, bool]) -> str:
+    threshold, fp8 = setting
+    return "+".join(([f"first_block_{threshold}"] if threshold is not None else []) + (["fp8"] if fp8 else []))
 
 
 def _rewards(reward, trajs) -> list[float]:
     return [x for t in trajs for x in reward.score(t.images, [t.prompt] * t.group_size).total]
 
 
-def bench(config, groups: int, thresholds: list[float], repeats: int) -> dict:
+def bench(config, groups: int, thresholds: list[float], fp8: bool, repeats: int) -> dict:
     ro = config.rollout
     if ro.sde_window.size == 0 or ro.sde_window.size >= ro.num_inference_steps:
         raise SystemExit("bench_ode_steps: every step is an SDE step: set rollout.sde_window.size (e.g. 2)")
@@ -57,43 +64,54 @@ def bench(config, groups: int, thresholds: list[float], repeats: int) -> dict:
         family.build_tiny(config.model.path, seed=config.model.tiny_seed)
     engine = make_engine(config.model, config.rollout)
     if engine.kind != "diffusers":
-        raise SystemExit(f"bench_ode_steps: the {engine.kind} engine does not cache ODE steps; use "
+        raise SystemExit(f"bench_ode_steps: the {engine.kind} engine has no cheaper ODE steps; use "
                          "rollout.engine=diffusers")
+    if fp8:
+        check_fp8_device(engine.device)
     engine.load()
     prompts = load_prompts(config.data.prompts)
     chosen = step_prompts(prompts, 0, groups, seed=config.train.seed, shuffle=config.data.shuffle)
     requests = [group_request(ro, prompt, group, seed=config.train.seed) for group, prompt in chosen]
-    settings = [None, *thresholds]
-    for threshold in settings:  # warm-up: first-call allocations (and compilation) of each setting
-        _pass(engine, requests[:1], threshold)
+    full_setting = (None, False)
+    settings = [full_setting, *((t, False) for t in thresholds), *([(None, True)] if fp8 else [])]
+    for setting in settings:  # warm-up: first-call allocations (and compilation) of each setting
+        _pass(engine, requests[:1], setting)
     seconds: dict = {s: [] for s in settings}
     trajs: dict = {}
     for _ in tqdm(range(repeats), desc="passes", file=sys.stderr, leave=False):
-        for threshold in settings:  # interleaved: a drift of the machine touches every setting alike
-            took, trajs[threshold] = _pass(engine, requests, threshold)
-            seconds[threshold].append(took)
+        for setting in settings:  # interleaved: a drift of the machine touches every setting alike
+            took, trajs[setting] = _pass(engine, requests, setting)
+            seconds[setting].append(took)
     reward = build_reward(config.reward.weights, reward_options(config.reward, ocr_threads=1),
                           frames_every=config.reward.frames.every)
     scores = {s: _rewards(reward, trajs[s]) for s in settings}
     images = sum(r.n for r in requests)
-    full_s, full = statistics.median(seconds[None]), scores[None]
+    full_s, full = statistics.median(seconds[full_setting]), scores[full_setting]
+    # groups whose window comes first: no cheaper step before it, so its log-probs must be the reference's bit for
+    # bit (after a cheaper step the window starts elsewhere; the trainer's recompute is exact there too: the tests)
+    window_first = [i for i, r in enumerate(requests) if r.sde_window is not None and r.sde_window[0] == 0]
     result = {"bench": "ode_steps", "engine": engine.kind, "device": str(engine.device), "family": family.name,
               "groups": groups, "images": images, "steps": ro.num_inference_steps, "sde_window": ro.sde_window.size,
               "full": {"images_per_s": round(images / full_s, 4), "reward_mean": statistics.fmean(full),
                        "reward_std": statistics.stdev(full) if len(full) > 1 else 0.0}}
-    for threshold in thresholds:
-        got, took = scores[threshold], statistics.median(seconds[threshold])
+    for setting in settings[1:]:
+        got, took = scores[setting], statistics.median(seconds[setting])
         diffs = [a - b for a, b in zip(got, full, strict=True)]
-        forwards = sum(t.producer.get("ode_forwards", 0) for t in trajs[threshold])
-        cached = sum(t.producer.get("ode_forwards_cached", 0) for t in trajs[threshold])
-        exact = all(torch.equal(a.log_probs, b.log_probs) for a, b in zip(trajs[threshold], trajs[None], strict=True))
-        result[f"first_block_{threshold}"] = {
-            "images_per_s": round(images / took, 4), "speedup": round(full_s / took, 3),
-            "ode_forwards_cached_share": round(cached / forwards, 3) if forwards else 0.0,
-            "reward_mean": statistics.fmean(got), "reward_std": statistics.stdev(got) if len(got) > 1 else 0.0,
-            "reward_shift": statistics.fmean(diffs),
-            "reward_shift_se": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0,
-            "reward_seed_std": result["full"]["reward_std"], "window_logprobs_exact": exact}
+        forwards = sum(t.producer.get("ode_forwards", 0) for t in trajs[setting])
+        cached = sum(t.producer.get("ode_forwards_cached", 0) for t in trajs[setting])
+        exact = all(torch.equal(trajs[setting][i].log_probs, trajs[full_setting][i].log_probs) for i in window_first)
+        row = {"images_per_s": round(images / took, 4), "speedup": round(full_s / took, 3),
+               "reward_mean": statistics.fmean(got), "reward_std": statistics.stdev(got) if len(got) > 1 else 0.0,
+               "reward_shift": statistics.fmean(diffs),
+               "reward_shift_se": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0,
+               "reward_seed_std": result["full"]["reward_std"],
+               "window_first_groups": len(window_first), "window_first_logprobs_exact": exact}
+        if setting[0] is not None:
+            row["ode_forwards_cached_share"] = round(cached / forwards, 3) if forwards else 0.0
+        if setting[1]:
+            row["fp8_quantize_s_per_group"] = round(statistics.fmean(
+                t.producer.get("ode_fp8_quantize_s", 0.0) for t in trajs[setting]), 4)
+        result[_name(setting)] = row
     return result
 
 
@@ -101,15 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--groups", type=int, default=8, help="prompt groups (8 groups of 8: 64 images)")
-    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.05],
-                        help="First Block Cache thresholds to compare with the full computation")
+    parser.add_argument("--thresholds", type=float, nargs="*", default=[0.05],
+                        help="First Block Cache thresholds to compare with the full computation (none: no cache)")
+    parser.add_argument("--fp8", action="store_true", help="compare FP8 matmuls on the ODE steps too")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes per setting (median reported)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     args = parser.parse_args(argv)
     if any(t <= 0 for t in args.thresholds):
         parser.error("--thresholds must be > 0")
     config = load(args.config, args.overrides)
-    emit_json_line(bench(config, args.groups, args.thresholds, args.repeats))
+    if not args.thresholds and not args.fp8:
+        parser.error("nothing to compare: give --thresholds or --fp8")
+    emit_json_line(bench(config, args.groups, args.thresholds, args.fp8, args.repeats))
     return 0
 
 

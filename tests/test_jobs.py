@@ -109,18 +109,21 @@ def test_bench_ocr_prints_one_json_line(capfd):
 
 
 def test_bench_ode_steps_prints_one_json_line(capfd, tiny_model_dir):
-    """Cheaper ODE steps against every block on the same groups, in this process: at a threshold every ODE step
-    after a full one falls under, the cache is used, the window's log-probs stay the reference's bit for bit and the
-    rewards move (each setting's figures on one line)."""
+    """Cheaper ODE steps against the full computation on the same groups, in this process: at a threshold every ODE
+    step after a full one falls under, the cache is used; with FP8 the rewards move too; the window (first in every
+    group here) keeps its log-probs bit for bit (each setting's figures on one line)."""
     from jobs.bench_ode_steps import main
 
-    assert main(["--config", "configs/tiny_cpu.yaml", "--groups", "2", "--thresholds", "1e9", "--",
+    assert main(["--config", "configs/tiny_cpu.yaml", "--groups", "2", "--thresholds", "1e9", "--fp8", "--",
                  f"model.path={tiny_model_dir}", "model.build_tiny=false", "rollout.engine=diffusers",
                  "rollout.sde_window.size=1", "rollout.sde_window.placement=fixed"]) == 0
     lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
     result = json.loads(lines[-1])
-    cached = result["first_block_1000000000.0"]
+    cached, fp8 = result["first_block_1000000000.0"], result["fp8"]
     assert result["images"] == 8 and result["full"]["images_per_s"] > 0 and cached["speedup"] > 0
     # the ODE steps 1-3: the first runs every block, the other two reuse its residual
-    assert cached["window_logprobs_exact"] is True and cached["ode_forwards_cached_share"] == 0.667
+    assert cached["window_first_groups"] == 2 and cached["window_first_logprobs_exact"] is True
+    assert cached["ode_forwards_cached_share"] == 0.667 and "fp8_quantize_s_per_group" not in cached
     assert cached["reward_shift"] != 0.0 and cached["reward_seed_std"] == result["full"]["reward_std"]
+    assert fp8["window_first_logprobs_exact"] is True and fp8["reward_shift"] != 0.0
+    assert fp8["fp8_quantize_s_per_group"] > 0 and "ode_forwards_cached_share" not in fp8

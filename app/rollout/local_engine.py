@@ -43,7 +43,7 @@ from app.models.lora import (
 )
 from app.models.lora_merge import KEEP_ON, MergedLora
 from app.models.precision import exact_fp32
-from app.rollout.ode_steps import OdeStepCache
+from app.rollout.ode_steps import OdeStepCache, OdeStepFp8, check_fp8_device
 from app.rollout.seeding import draw_seed
 from app.types import GenerationRequest, LoraAdapter, RequestError, Trajectory
 
@@ -63,6 +63,8 @@ class LocalEngine:
     family = ""  # the model family (app/models/) a subclass serves
     # `rollout.ode_steps`: First Block Cache's threshold on the ODE steps outside the SDE window (None: off)
     ode_cache_threshold: float | None = None
+    # `rollout.ode_steps.precision: fp8`: FP8 matmuls in the blocks on those steps
+    ode_fp8: bool = False
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
                  compile=None, lora: LoraShape | None = None, merge_lora: str | None = None,
@@ -105,6 +107,7 @@ class LocalEngine:
                      attention_kernels=model.attention_kernels)
         if rollout.ode_steps.cache == "first_block":
             engine.ode_cache_threshold = rollout.ode_steps.threshold
+        engine.ode_fp8 = rollout.ode_steps.precision == "fp8"
         return engine
 
     # ---- what a subclass provides ----------------------------------------------------------------------------
@@ -141,6 +144,8 @@ class LocalEngine:
         with self._lock:
             if not self.loaded:
                 use_sdpa_kernels(self.attention_kernels)
+                if self.ode_fp8:
+                    check_fp8_device(self.device)  # before the weights are read: a clear error at the start
                 self.load_model()
                 module = self.trained_module()
                 if self.merge_lora is not None:
@@ -185,19 +190,29 @@ class LocalEngine:
 
     @contextlib.contextmanager
     def cheaper_ode_steps(self, request: GenerationRequest):
-        """Yields what a group's velocity is wrapped in while it is sampled: First Block Cache on its ODE steps with
-        `rollout.ode_steps` on (ode_steps.py), the velocity itself otherwise. The cache's counts go to the producer."""
+        """Yields what a group's velocity is wrapped in while it is sampled: on its ODE steps, with `rollout.ode_steps`
+        on, FP8 matmuls and / or First Block Cache (ode_steps.py); the velocity itself otherwise. Their counts go to
+        the producer."""
         self._ode_stats = {}
         levels = request.step_noise_levels
-        if self.ode_cache_threshold is None or all(level > 0 for level in levels):
-            yield lambda velocity: velocity
-            return
-        cache = OdeStepCache(self.trained_module(), self.ode_cache_threshold)
+        cheaper = []
+        if any(level == 0 for level in levels):
+            if self.ode_cache_threshold is not None:
+                cheaper.append(OdeStepCache(self.trained_module(), self.ode_cache_threshold))
+            if self.ode_fp8:
+                cheaper.append(OdeStepFp8(self.trained_module()))
+
+        def wrap(velocity):
+            for way in cheaper:
+                velocity = way.velocity(velocity, levels)
+            return velocity
+
         try:
-            yield lambda velocity: cache.velocity(velocity, levels)
+            yield wrap
         finally:
-            cache.close()
-            self._ode_stats = cache.stats()
+            for way in cheaper:
+                way.close()
+                self._ode_stats.update(way.stats())
 
     def sample(self, request: GenerationRequest) -> Trajectory:
         """`generate` for synchronous code in one process (no event loop): the single-GPU baseline."""

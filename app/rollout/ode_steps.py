@@ -5,7 +5,17 @@ scores none of those transitions, so they may be computed more cheaply without c
 (the first pass stays exact). They do change the images a little, the reward's input: the runs that use this show
 the reward distribution against the full computation.
 
-Cheaper here is diffusers' First Block Cache (ParaAttention's dynamic caching, the idea of TeaCache): on an ODE step
+Two ways, either or both: FP8 matmuls (`precision: fp8`) in the transformer blocks' linear layers, and diffusers'
+First Block Cache (`cache: first_block`).
+
+FP8: the blocks' linear layers (a LoRA's base layer included, its small A and B kept at the model's dtype) multiply in
+float8 e4m3 through `torch._scaled_mm`, the weights scaled per output channel, the activations per row as they come
+(the scaling torchao's rowwise float8 uses). The weights' FP8 copy is made again at every group's first ODE step (an
+adapter folded into the weights changes them between groups), in place in buffers kept on the layers: a replica holds
+half its blocks' bf16 bytes more. A layer whose features are not multiples of 16 (what the GPU kernels take) stays as
+it is. Off the ODE steps the layers are the untouched modules.
+
+The cache: diffusers' First Block Cache (ParaAttention's dynamic caching, the idea of TeaCache): on an ODE step
 the first transformer block runs, and when its residual moved less than `threshold` (mean absolute change relative
 to the last fully computed one) the other blocks' residual from that step is reused instead of running them. The
 window's steps run every block and the cache starts afresh after each of them, so a cached step never reaches back
@@ -15,11 +25,16 @@ its own cache, by its order in the step.
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-CACHES = ("off", "first_block")
+CACHES = ("none", "first_block")  # "none", not "off": YAML reads off as false
+PRECISIONS = ("model", "fp8")  # the model's own dtype, or FP8 matmuls in the blocks
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
 
 
 class OdeStepCache:
@@ -94,3 +109,94 @@ def _blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
     return [block for name, child in transformer.named_children()
             if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList) for block in child]
+
+
+class OdeStepFp8:
+    """FP8 matmuls in `transformer`'s block linear layers during the ODE steps of one group."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        self.layers = [layer for block in _blocks(transformer) for name, layer in block.named_modules()
+                       if type(layer) is torch.nn.Linear and "lora_" not in name
+                       and layer.in_features % 16 == 0 and layer.out_features % 16 == 0]
+        if not self.layers:
+            raise ValueError(f"rollout.ode_steps.precision=fp8: {type(transformer).__name__}'s blocks have no linear "
+                             "layer whose features are multiples of 16")
+        self.on = False
+        self.quantize_s = 0.0  # this group's weight quantization (once, at its first ODE step)
+        self._fresh = False
+        self._own: dict[torch.nn.Module, Callable | None] = {}
+
+    def velocity(self, velocity: Callable, noise_levels: Sequence[float]) -> Callable:
+        """`velocity(x, i)` with FP8 matmuls at the steps of noise level 0 and the model's own at the others."""
+
+        def fp8(x, i):
+            ode = noise_levels[i] == 0
+            if ode != self.on:
+                self._switch(ode)
+            return velocity(x, i)
+
+        return fp8
+
+    def close(self) -> None:
+        if self.on:
+            self._switch(False)
+
+    def stats(self) -> dict[str, float]:
+        return {"ode_fp8_layers": len(self.layers), "ode_fp8_quantize_s": round(self.quantize_s, 4)}
+
+    def _switch(self, on: bool) -> None:
+        if on and not self._fresh:
+            began = time.perf_counter()
+            with torch.no_grad():
+                for layer in self.layers:
+                    _quantize_weight(layer)
+            if self.layers[0].weight.is_cuda:
+                torch.cuda.synchronize(self.layers[0].weight.device)
+            self.quantize_s += time.perf_counter() - began
+            self._fresh = True
+        for layer in self.layers:
+            if on:  # an instance's own forward (a diffusers hook's) is put back after
+                self._own[layer] = vars(layer).get("forward")
+                layer.forward = functools.partial(fp8_linear_forward, layer)
+            elif (own := self._own.pop(layer)) is not None:
+                layer.forward = own
+            else:
+                del layer.forward  # the class's own forward again: the window's steps are the full computation's
+        self.on = on
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); the CPU has its own."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"rollout.ode_steps.precision=fp8: {torch.cuda.get_device_name(device)} (compute capability "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) has no FP8 matmuls; they "
+                         "need 8.9 or newer (L4, L40S, H100, H200, B200): use rollout.ode_steps.precision=model")
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`t` in float8 e4m3, its float32 scale per row): t ≈ q * scale, each row's largest magnitude at FP8's max."""
+    scale = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _quantize_weight(layer: torch.nn.Linear) -> None:
+    """The layer's FP8 weight and per-channel scale, written into the buffers it keeps for them."""
+    q, scale = quantize_rows(layer.weight.detach())
+    if getattr(layer, "_ode_fp8_weight", None) is None:
+        layer._ode_fp8_weight, layer._ode_fp8_scale = q, scale.t().contiguous()  # the scale as [1, out]
+    else:
+        layer._ode_fp8_weight.copy_(q)
+        layer._ode_fp8_scale.copy_(scale.t())
+
+
+def fp8_linear_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` with an FP8 matmul: x quantized per row, the weight per output channel (`_quantize_weight`)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    q, scale = quantize_rows(rows)
+    # CUDA's rowwise-scaled FP8 GEMM writes bf16 only; the CPU's writes the input's dtype
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    y = torch._scaled_mm(q, layer._ode_fp8_weight.t(), scale_a=scale, scale_b=layer._ode_fp8_scale,
+                         out_dtype=out_dtype).to(x.dtype)
+    if layer.bias is not None:
+        y = y + layer.bias
+    return y.reshape(*x.shape[:-1], layer.out_features)

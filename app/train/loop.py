@@ -189,6 +189,13 @@ def _worker_metrics(worker: Worker, step: int, groups: list[ScoredGroup], stats:
     for s in groups:  # where an in-process engine's time went: encode, denoise, decode (logged `perf/rollout_*_s`)
         for phase, seconds in s.trajectory.producer.get("phase_s", {}).items():
             out[f"perf/rollout_{phase}_s_sum"] = out.get(f"perf/rollout_{phase}_s_sum", 0.0) + seconds
+    if any("ode_forwards" in s.trajectory.producer or "ode_fp8_layers" in s.trajectory.producer for s in groups):
+        # `rollout.ode_steps`: the cached share of the step's ODE forwards, the FP8 weights' quantization
+        forwards = sum(s.trajectory.producer.get("ode_forwards", 0) for s in groups)
+        cached = sum(s.trajectory.producer.get("ode_forwards_cached", 0) for s in groups)
+        out["rollout/ode_cached_share"] = cached / forwards if forwards else 0.0
+        out["rollout/ode_fp8_quantize_s_sum"] = sum(s.trajectory.producer.get("ode_fp8_quantize_s", 0.0)
+                                                    for s in groups)
     if worker.policy.compiled:  # compilations so far (steady state: neither grows from step to step)
         out.update(_compile_metrics(worker, groups))
     if torch.cuda.is_available():

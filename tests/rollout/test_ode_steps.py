@@ -1,5 +1,5 @@
-"""`rollout.ode_steps`: First Block Cache on the ODE steps outside the SDE window (app/rollout/ode_steps.py), on the
-diffusers engines and the tiny models. The window's steps are untouched: their transitions and log-probs are bit for
+"""`rollout.ode_steps`: FP8 matmuls and First Block Cache on the ODE steps outside the SDE window
+(app/rollout/ode_steps.py), on the diffusers engines and the tiny models. The window's steps are untouched: their transitions and log-probs are bit for
 bit the full computation's and the trainer's; the cache restarts after every window step; each CFG forward keeps its
 own cache; a threshold nothing falls under changes nothing; the config refuses what it cannot do, naming the field."""
 
@@ -20,12 +20,19 @@ def request(**changes) -> GenerationRequest:
     return GenerationRequest(**(fields | changes))
 
 
-def sample(engine, aio, req, threshold):
-    engine.ode_cache_threshold = threshold
+def sample(engine, aio, req, threshold, fp8=False):
+    engine.ode_cache_threshold, engine.ode_fp8 = threshold, fp8
     try:
         return aio(engine.generate(req))
     finally:
-        engine.ode_cache_threshold = None
+        engine.ode_cache_threshold, engine.ode_fp8 = None, False
+
+
+def trainer_log_probs(model_dir, traj, steps):
+    trainer = QWEN.load_denoiser(model_dir, dtype=torch.float32, device=torch.device("cpu")).eval()
+    with torch.no_grad():
+        scored = QWEN.score_trajectory(trainer, traj, steps, range(traj.group_size))
+    return torch.stack([s.log_prob for s in scored], dim=1)
 
 
 def test_ode_steps_leave_the_window_exact_and_cache_the_steps_after_it(diffusers_engine, aio, tiny_model_dir):
@@ -36,10 +43,7 @@ def test_ode_steps_leave_the_window_exact_and_cache_the_steps_after_it(diffusers
     assert not torch.equal(cached.latents[:, 4], full.latents[:, 4])  # step 3 reused step 2's blocks
     assert cached.producer["ode_forwards"] == 2 and cached.producer["ode_forwards_cached"] == 1
     assert "ode_forwards" not in full.producer
-    trainer = QWEN.load_denoiser(tiny_model_dir, dtype=torch.float32, device=torch.device("cpu")).eval()
-    with torch.no_grad():
-        scored = QWEN.score_trajectory(trainer, cached, range(2), range(2))
-    assert torch.equal(torch.stack([s.log_prob for s in scored], dim=1), cached.log_probs[:, :2])
+    assert torch.equal(trainer_log_probs(tiny_model_dir, cached, range(2)), cached.log_probs[:, :2])
 
 
 def test_ode_steps_cache_restarts_after_every_window_step(diffusers_engine, aio):
@@ -69,6 +73,59 @@ def test_ode_steps_keep_a_cache_per_cfg_forward(wan_engine, aio):
     assert torch.equal(cached.latents[:, :4], full.latents[:, :4]) and torch.equal(cached.log_probs, full.log_probs)
 
 
+def test_ode_steps_fp8_linear_matches_a_float64_reference():
+    """The FP8 layer's output is the float64 product of its quantized operands (the GEMM accumulates in fp32), and
+    within e4m3's rounding of the exact product; rows and channels of very different sizes keep their own scales."""
+    from app.rollout.ode_steps import FP8_MAX, _quantize_weight, fp8_linear_forward, quantize_rows
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        layer.weight[:8] *= 1e3  # channels far larger than the rest: one scale for all would flush the small ones
+    x = torch.randn(2, 5, 64) * torch.logspace(-3, 3, 5).view(1, 5, 1)
+    _quantize_weight(layer)
+    got = fp8_linear_forward(layer, x)
+    qx, sx = quantize_rows(x.reshape(-1, 64))
+    assert qx.float().abs().amax(dim=-1).eq(FP8_MAX).all()  # each row's largest at FP8's max
+    dequantized = (qx.double() * sx.double()) @ (layer._ode_fp8_weight.double() * layer._ode_fp8_scale.double().t()).t()
+    reference = (dequantized + layer.bias.double()).reshape(2, 5, 48)
+    assert got.shape == (2, 5, 48) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().amax().item())
+    exact = x.double() @ layer.weight.double().t() + layer.bias.double()
+    relative = ((got.double() - exact).norm(dim=-1) / exact.norm(dim=-1))
+    assert relative.max() < 0.1 and relative.max() > 0  # e4m3 keeps 3 mantissa bits: a few per cent, never zero
+
+
+def test_ode_steps_fp8_leave_the_window_exact(diffusers_engine, aio, tiny_model_dir):
+    """FP8 on the ODE steps after the window: the window's transitions, its log-probs and the trainer's recompute are
+    the full computation's bit for bit; the ODE steps' latents move; the layers are the plain modules again after."""
+    from app.rollout.ode_steps import fp8_linear_forward
+
+    req = request(sde_window=(0, 2))
+    full, fp8 = sample(diffusers_engine, aio, req, None), sample(diffusers_engine, aio, req, None, fp8=True)
+    assert torch.equal(fp8.latents[:, :3], full.latents[:, :3]) and torch.equal(fp8.log_probs, full.log_probs)
+    assert not torch.equal(fp8.latents[:, 3], full.latents[:, 3])
+    assert fp8.producer["ode_fp8_layers"] > 0 and "ode_fp8_layers" not in full.producer
+    assert torch.equal(trainer_log_probs(tiny_model_dir, fp8, range(2)), fp8.log_probs[:, :2])
+    module = diffusers_engine.trained_module()
+    left = [m for m in module.modules() if getattr(vars(m).get("forward"), "func", None) is fp8_linear_forward]
+    assert not left  # no layer keeps its FP8 forward
+    again = sample(diffusers_engine, aio, req, None)
+    assert torch.equal(again.latents, full.latents)
+
+
+def test_ode_steps_fp8_before_the_window_keep_the_first_pass_exact(diffusers_engine, aio, tiny_model_dir):
+    """An FP8 ODE step before the window changes the states the window starts from, so its log-probs are not the
+    full run's; the trainer's recompute on the recorded states still equals them bit for bit (the first pass
+    exact), with FP8 and First Block Cache together."""
+    req = request(sde_window=(2, 4))  # steps 0, 1 the ODE, then the window
+    full = sample(diffusers_engine, aio, req, None)
+    both = sample(diffusers_engine, aio, req, HUGE, fp8=True)
+    assert not torch.equal(both.log_probs[:, 2:], full.log_probs[:, 2:])
+    assert both.producer["ode_forwards_cached"] == 1 and both.producer["ode_fp8_layers"] > 0
+    assert torch.equal(trainer_log_probs(tiny_model_dir, both, range(2, 4)), both.log_probs[:, 2:])
+
+
 def test_ode_steps_config_refuses_what_it_cannot_do():
     base = ["rollout.engine=diffusers", "rollout.sde_window.size=2", "rollout.ode_steps.cache=first_block"]
     assert load("configs/tiny_cpu.yaml", base).rollout.ode_steps.threshold == 0.05
@@ -76,7 +133,13 @@ def test_ode_steps_config_refuses_what_it_cannot_do():
             (["rollout.ode_steps.cache=teacache"], "rollout.ode_steps.cache='teacache': use one of"),
             (["rollout.ode_steps.threshold=0"], "rollout.ode_steps.threshold=0.0 must be > 0"),
             (["rollout.engine=vllm_omni"], "rollout.engine=vllm_omni does not: use rollout.engine=diffusers"),
-            (["rollout.sde_window.size=0"], "every step is an SDE step")):
+            (["rollout.sde_window.size=0"], "every step is an SDE step"),
+            (["rollout.ode_steps.cache=none", "rollout.ode_steps.precision=int4"],
+             "rollout.ode_steps.precision='int4': use one of"),
+            (["rollout.ode_steps.cache=none", "rollout.ode_steps.precision=fp8", "rollout.engine=vllm_omni"],
+             "rollout.ode_steps.precision=fp8: the in-process diffusers engines")):
         with pytest.raises(ConfigError, match=message):
             load("configs/tiny_cpu.yaml", base + changes)
-    assert load("configs/tiny_cpu.yaml").rollout.ode_steps.cache == "off"  # off by default
+    assert load("configs/tiny_cpu.yaml", base + ["rollout.ode_steps.precision=fp8"]).rollout.ode_steps.precision == "fp8"
+    assert load("configs/tiny_cpu.yaml").rollout.ode_steps.cache == "none"  # off by default
+    assert load("configs/tiny_cpu.yaml").rollout.ode_steps.precision == "model"

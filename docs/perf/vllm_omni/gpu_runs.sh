@@ -93,13 +93,14 @@ case "$1" in
       model.path="$MODELS/$family" model.compile.cache_dir=$CACHE ${SET[$family]} "${EXTRA[@]}" 2>"$OUT/${family}_trainstep.err" \
       | tail -1 | sed "s/^{/{\"run\": \"${family}_trainstep\", /" | tee -a "$OUT/bench_train_step.jsonl"
     tail -n 3 "$OUT/${family}_trainstep.err" ;;
-  odesteps)  # odesteps FAMILY: cheaper ODE steps (rollout.ode_steps) against every block, the diffusers engine
-    # compiled, the run's groups and seeds (issue 54: speed-up, reward shift beside the seed-to-seed spread)
+  odesteps)  # odesteps FAMILY: cheaper ODE steps (rollout.ode_steps) against the full computation, the diffusers
+    # engine compiled, the run's groups and seeds (issue 54: speed-up, reward shift beside the seed-to-seed spread):
+    # First Block Cache at THRESHOLDS (THRESHOLDS= for none) and FP8 matmuls
     family=$2
-    read -r -a thresholds <<< "${THRESHOLDS:-0.05 0.1}"
+    read -r -a thresholds <<< "${THRESHOLDS-0.05 0.1}"
     timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_ode_steps --config ${CFG[$family]} --groups ${ODE_GROUPS:-8} \
       model.path="$MODELS/$family" rollout.engine=${LOCAL[$family]} model.compile.cache_dir=$CACHE ${SET[$family]} \
-      rollout.sde_window.size=2 "rollout.sde_window.range=[0,5]" "${EXTRA[@]}" --thresholds "${thresholds[@]}" 2>"$OUT/${family}_ode_steps.err" | tail -1 \
+      rollout.sde_window.size=2 "rollout.sde_window.range=[0,5]" "${EXTRA[@]}" --thresholds "${thresholds[@]}" --fp8 2>"$OUT/${family}_ode_steps.err" | tail -1 \
       | sed "s/^{/{\"run\": \"${family}_ode_steps\", /" | tee -a "$OUT/bench_ode_steps.jsonl"
     tail -n 3 "$OUT/${family}_ode_steps.err" ;;
   job)  # job FAMILY,NAME,STEPS: the family's 2-GPU recipe in jobs.train, JPEG reward, pipelined
