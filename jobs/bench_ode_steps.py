@@ -29,11 +29,11 @@ from app.config import load
 from app.models.family import get_family
 from app.prompt_sets import load_prompts
 from app.rewards import build_reward
+from app.rollout.ode_steps import check_fp8_device
 from app.train.prompts import group_request, step_prompts
 from deployments.reward import reward_options
 from deployments.rollout import make_engine
 from jobs.report import emit_json_line
-from app.rollout.ode_steps import check_fp8_device
 
 
 def _pass(engine, requests, setting: tuple[float | None, bool]) -> tuple[float, list]:

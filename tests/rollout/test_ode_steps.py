@@ -1,7 +1,8 @@
 """`rollout.ode_steps`: FP8 matmuls and First Block Cache on the ODE steps outside the SDE window
-(app/rollout/ode_steps.py), on the diffusers engines and the tiny models. The window's steps are untouched: their transitions and log-probs are bit for
-bit the full computation's and the trainer's; the cache restarts after every window step; each CFG forward keeps its
-own cache; a threshold nothing falls under changes nothing; the config refuses what it cannot do, naming the field."""
+(app/rollout/ode_steps.py), on the diffusers engines and the tiny models. The window's steps are untouched: their
+transitions and log-probs are bit for bit the full computation's and the trainer's; the cache restarts after every
+window step; each CFG forward keeps its own cache; a threshold nothing falls under changes nothing; the config refuses
+what it cannot do, naming the field."""
 
 import pytest
 import torch
@@ -140,6 +141,7 @@ def test_ode_steps_config_refuses_what_it_cannot_do():
              "rollout.ode_steps.precision=fp8: the in-process diffusers engines")):
         with pytest.raises(ConfigError, match=message):
             load("configs/tiny_cpu.yaml", base + changes)
-    assert load("configs/tiny_cpu.yaml", base + ["rollout.ode_steps.precision=fp8"]).rollout.ode_steps.precision == "fp8"
+    fp8 = load("configs/tiny_cpu.yaml", base + ["rollout.ode_steps.precision=fp8"])
+    assert fp8.rollout.ode_steps.precision == "fp8"
     assert load("configs/tiny_cpu.yaml").rollout.ode_steps.cache == "none"  # off by default
     assert load("configs/tiny_cpu.yaml").rollout.ode_steps.precision == "model"
