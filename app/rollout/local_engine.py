@@ -155,6 +155,8 @@ class LocalEngine:
                 elif self.lora is not None:
                     add_zero_lora(module, self.lora)
                 module.requires_grad_(False)
+                if self.ode_fp8:
+                    OdeStepFp8(module).quantize()
                 module.register_forward_pre_hook(lambda *_: _stop_if_cancelled(self))  # every denoising step
                 self.compiled = apply_compile(module, get_family(self.family), self.compile, inference=True) > 0
                 self.loaded = True

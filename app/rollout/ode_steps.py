@@ -126,6 +126,17 @@ class OdeStepFp8:
         self._fresh = False
         self._own: dict[torch.nn.Module, Callable | None] = {}
 
+    def quantize(self) -> None:
+        """The layers' FP8 weights from their weights as they stand. At the engine's load too: the buffers join the
+        layers before any compilation sees them (added later, they fail its guards once: one more compilation)."""
+        began = time.perf_counter()
+        with torch.no_grad():
+            for layer in self.layers:
+                _quantize_weight(layer)
+        if self.layers[0].weight.is_cuda:
+            torch.cuda.synchronize(self.layers[0].weight.device)
+        self.quantize_s += time.perf_counter() - began
+
     def velocity(self, velocity: Callable, noise_levels: Sequence[float]) -> Callable:
         """`velocity(x, i)` with FP8 matmuls at the steps of noise level 0 and the model's own at the others."""
 
@@ -146,18 +157,12 @@ class OdeStepFp8:
 
     def _switch(self, on: bool) -> None:
         if on and not self._fresh:
-            began = time.perf_counter()
-            with torch.no_grad():
-                for layer in self.layers:
-                    _quantize_weight(layer)
-            if self.layers[0].weight.is_cuda:
-                torch.cuda.synchronize(self.layers[0].weight.device)
-            self.quantize_s += time.perf_counter() - began
+            self.quantize()
             self._fresh = True
         for layer in self.layers:
             if on:  # an instance's own forward (a diffusers hook's) is put back after
                 self._own[layer] = vars(layer).get("forward")
-                layer.forward = functools.partial(fp8_linear_forward, layer)
+                layer.forward = layer._ode_fp8_forward  # one object a layer: compiled code guards on its id
             elif (own := self._own.pop(layer)) is not None:
                 layer.forward = own
             else:
@@ -184,6 +189,7 @@ def _quantize_weight(layer: torch.nn.Linear) -> None:
     q, scale = quantize_rows(layer.weight.detach())
     if getattr(layer, "_ode_fp8_weight", None) is None:
         layer._ode_fp8_weight, layer._ode_fp8_scale = q, scale.t().contiguous()  # the scale as [1, out]
+        layer._ode_fp8_forward = functools.partial(fp8_linear_forward, layer)
     else:
         layer._ode_fp8_weight.copy_(q)
         layer._ode_fp8_scale.copy_(scale.t())

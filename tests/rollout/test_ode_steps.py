@@ -145,3 +145,21 @@ def test_ode_steps_config_refuses_what_it_cannot_do():
     assert fp8.rollout.ode_steps.precision == "fp8"
     assert load("configs/tiny_cpu.yaml").rollout.ode_steps.cache == "none"  # off by default
     assert load("configs/tiny_cpu.yaml").rollout.ode_steps.precision == "model"
+
+
+@pytest.mark.slow
+def test_ode_steps_fp8_compiled_compiles_once(tiny_model_dir):
+    """The compiled engine with FP8 ODE steps: the first group compiles both kinds of step, the next compiles
+    nothing (each layer keeps one FP8 forward: compiled code guards on its identity) and repeats the first."""
+    from deployments.rollout import make_engine
+
+    config = load("configs/tiny_cpu.yaml", [f"model.path={tiny_model_dir}", "rollout.engine=diffusers",
+                                            "model.compile.enabled=true", "train.old_logprob=trainer",
+                                            "rollout.sde_window.size=2", "rollout.ode_steps.precision=fp8"])
+    engine = make_engine(config.model, config.rollout)
+    engine.load()
+    req = request(sde_window=(0, 2))
+    first, second = engine.sample(req), engine.sample(req)
+    assert engine.compiled and first.producer["ode_fp8_layers"] > 0
+    assert first.producer["compile_frames"] > 0 and second.producer["compile_frames_new"] == 0
+    assert torch.equal(first.latents, second.latents)
