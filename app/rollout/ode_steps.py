@@ -37,7 +37,39 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 
 
-class OdeStepCache:
+class OdeStepSwitch:
+    """A cheaper way on during a group's ODE steps: `velocity` wraps the group's velocity so that `_switch(True)`
+    runs before an ODE step after a window step (or the first) and `_switch(False)` before a window step after an ODE
+    step; `close` switches it off at the group's end. A subclass says what switching does."""
+
+    on = False
+
+    def velocity(self, velocity: Callable, noise_levels: Sequence[float]) -> Callable:
+        """`velocity(x, i)` with this way on at the steps of noise level 0 and off at the others."""
+
+        def switched(x, i):
+            ode = noise_levels[i] == 0
+            if ode != self.on:
+                self._switch(ode)
+                self.on = ode
+            self._step_begins()
+            return velocity(x, i)
+
+        return switched
+
+    def close(self) -> None:
+        if self.on:
+            self._switch(False)
+            self.on = False
+
+    def _switch(self, on: bool) -> None:
+        raise NotImplementedError
+
+    def _step_begins(self) -> None:
+        """Before each step's velocity."""
+
+
+class OdeStepCache(OdeStepSwitch):
     """First Block Cache on `transformer` (a diffusers `CacheMixin` model) during the ODE steps of one group."""
 
     def __init__(self, transformer: torch.nn.Module, threshold: float):
@@ -47,27 +79,13 @@ class OdeStepCache:
             raise ValueError(f"rollout.ode_steps.cache=first_block: {type(transformer).__name__} has "
                              f"{len(self.blocks)} transformer block(s); the cache needs a first block and others "
                              "to skip")
-        self.on = False
         self.forwards = 0  # transformer forwards in the current step: each names its cache
         self.ode_forwards = 0
         self.cached_forwards = 0  # ODE forwards that ran the first block only
         self._hooks = []
 
-    def velocity(self, velocity: Callable, noise_levels: Sequence[float]) -> Callable:
-        """`velocity(x, i)` with the cache on at the steps of noise level 0 and off at the others."""
-
-        def cached(x, i):
-            ode = noise_levels[i] == 0
-            if ode != self.on:
-                self._switch(ode)
-            self.forwards = 0
-            return velocity(x, i)
-
-        return cached
-
-    def close(self) -> None:
-        if self.on:
-            self._switch(False)
+    def _step_begins(self) -> None:
+        self.forwards = 0
 
     def stats(self) -> dict[str, int]:
         return {"ode_forwards": self.ode_forwards, "ode_forwards_cached": self.cached_forwards}
@@ -83,7 +101,6 @@ class OdeStepCache:
             for hook in self._hooks:
                 hook.remove()
             self.transformer.disable_cache()  # its states go with it: the next ODE steps start afresh
-        self.on = on
 
     def _states(self):
         """The cache's states (one state manager shared by every hooked block, read from the first block's hook)."""
@@ -111,7 +128,7 @@ def _blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
             if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList) for block in child]
 
 
-class OdeStepFp8:
+class OdeStepFp8(OdeStepSwitch):
     """FP8 matmuls in `transformer`'s block linear layers during the ODE steps of one group."""
 
     def __init__(self, transformer: torch.nn.Module):
@@ -121,7 +138,6 @@ class OdeStepFp8:
         if not self.layers:
             raise ValueError(f"rollout.ode_steps.precision=fp8: {type(transformer).__name__}'s blocks have no linear "
                              "layer whose features are multiples of 16")
-        self.on = False
         self.quantize_s = 0.0  # this group's weight quantization (once, at its first ODE step)
         self._fresh = False
         self._own: dict[torch.nn.Module, Callable | None] = {}
@@ -136,21 +152,6 @@ class OdeStepFp8:
         if self.layers[0].weight.is_cuda:
             torch.cuda.synchronize(self.layers[0].weight.device)
         self.quantize_s += time.perf_counter() - began
-
-    def velocity(self, velocity: Callable, noise_levels: Sequence[float]) -> Callable:
-        """`velocity(x, i)` with FP8 matmuls at the steps of noise level 0 and the model's own at the others."""
-
-        def fp8(x, i):
-            ode = noise_levels[i] == 0
-            if ode != self.on:
-                self._switch(ode)
-            return velocity(x, i)
-
-        return fp8
-
-    def close(self) -> None:
-        if self.on:
-            self._switch(False)
 
     def stats(self) -> dict[str, float]:
         return {"ode_fp8_layers": len(self.layers), "ode_fp8_quantize_s": round(self.quantize_s, 4)}
@@ -167,7 +168,6 @@ class OdeStepFp8:
                 layer.forward = own
             else:
                 del layer.forward  # the class's own forward again: the window's steps are the full computation's
-        self.on = on
 
 
 def check_fp8_device(device: torch.device) -> None:
