@@ -8,7 +8,11 @@ forward."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,3 +37,89 @@ def use_sdpa_kernels(kernels: Sequence[str] | None) -> None:
 def sdpa_kernels() -> list[str]:
     """The kernels this process allows now."""
     return [name for name in SDPA_KERNELS if _STATES[name]()]
+
+
+# cuDNN's attention backward is checked before a trainer relies on it: on an H200 under torch 2.11 / cuDNN 9.19 it
+# returned gradients uncorrelated with the true ones (relative error 1.4) whenever the output's gradient came as a
+# transposed view of [B, S, H, D] memory, the layout every diffusers model hands back, and FLUX.1's trainer under
+# torch 2.13 / cuDNN 9.20 hit an illegal memory access there (docs/perf/flux/). The forward is right: engines keep it.
+BACKWARD_TOLERANCE = 2e-2  # relative error of a gradient against fp32 math: bf16 kernels are near 3e-3
+
+
+def backward_errors(attention: Callable[..., torch.Tensor], device: torch.device | str = "cpu", *,
+                    dtype: torch.dtype = torch.float32, head_dim: int = 128, heads: int = 4, seq: int = 320,
+                    batch: int = 2, seed: int = 0) -> list[float]:
+    """Relative errors of dq, dk, dv from `attention(q, k, v)` ([B, H, S, D] in and out, in `dtype`) against torch's
+    math kernel in fp32, with inputs and the output's gradient laid out as diffusers lays them out: transposed views
+    of [B, S, H, D] memory."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def bshd() -> torch.Tensor:
+        return torch.randn(batch, seq, heads, head_dim, generator=gen).to(device)
+
+    q, k, v, grad = (bshd() for _ in range(4))
+
+    def grads(fn, cast: torch.dtype) -> list[torch.Tensor]:
+        leaves = [t.to(cast, copy=True).requires_grad_() for t in (q, k, v)]
+        out = fn(*(t.transpose(1, 2) for t in leaves))
+        out.backward(grad.to(cast).transpose(1, 2))
+        return [t.grad.double() for t in leaves]
+
+    def math(*qkv: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            return torch.nn.functional.scaled_dot_product_attention(*qkv)
+
+    reference = grads(math, torch.float32)
+    return [float((g - r).norm() / r.norm()) for g, r in zip(grads(attention, dtype), reference, strict=True)]
+
+
+def _kernel(name: str) -> Callable[..., torch.Tensor]:
+    """torch's attention allowed only kernel `name`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+
+    def attention(*qkv: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(*qkv)
+
+    return attention
+
+
+@functools.cache
+def backward_problem(kernel: str, device: str) -> str | None:
+    """What is wrong with `kernel`'s attention backward on `device` (None: right within BACKWARD_TOLERANCE at head
+    dims 64 and 128). Measured in a child process: a kernel that faults poisons its process's CUDA context."""
+    proc = subprocess.run([sys.executable, "-m", "app.models.attention", kernel, device], capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"its attention backward failed on {device} ({last})"
+    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    worst = max(max(e) for e in errors.values())
+    if worst <= BACKWARD_TOLERANCE:
+        return None
+    return (f"its attention backward is wrong on {device} under torch {torch.__version__}, cuDNN "
+            f"{torch.backends.cudnn.version()}: gradients {worst:.2g} off fp32 math (relative; bound "
+            f"{BACKWARD_TOLERANCE:g}) when they arrive in diffusers' [B, S, H, D] layout")
+
+
+def leave_out_broken_backward(device: torch.device) -> str | None:
+    """A trainer's check before its first backward: on a CUDA device whose cuDNN attention backward is wrong
+    (`backward_problem`), cuDNN's kernel is no longer allowed in this process (the others stay); returns why, or
+    None when nothing changed."""
+    if device.type != "cuda" or "cudnn" not in sdpa_kernels():
+        return None
+    problem = backward_problem("cudnn", str(device))
+    if problem is not None:
+        use_sdpa_kernels([k for k in sdpa_kernels() if k != "cudnn"])
+    return problem
+
+
+if __name__ == "__main__":  # python -m app.models.attention KERNEL DEVICE: its backward errors, one JSON line
+    kernel, device = sys.argv[1], sys.argv[2]
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    print(json.dumps({str(d): backward_errors(_kernel(kernel), device, dtype=dtype, head_dim=d) for d in (64, 128)}))

@@ -16,6 +16,7 @@ No Ray and no config objects here: numbers and paths in, tensors out.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from app.algo.sde import SDEStepOutput
-from app.models.attention import use_sdpa_kernels
+from app.models.attention import leave_out_broken_backward, use_sdpa_kernels
 from app.models.family import ModelFamily, get_family
 from app.models.lora import ADAPTER_NAME, transformer_key
 from app.train.gather import to_host
@@ -68,9 +69,13 @@ class Policy:
         keeps for the backward (`train.activation_memory_budget`; None: torch's default). shard_frozen: FSDP2 manages
         the frozen base weights too (None: only with several ranks; `_fully_shard`). reshard_after_forward: FSDP2's,
         for every unit (`train.reshard_after_forward`). attention_kernels: the kernels torch's attention may choose
-        among in this process (`model.attention_kernels`; None: torch's)."""
+        among in this process (`model.attention_kernels`; None: torch's), less cuDNN's where its backward is wrong
+        on this GPU (`leave_out_broken_backward`)."""
         device = torch.device(device)
         use_sdpa_kernels(attention_kernels)
+        problem = leave_out_broken_backward(device)
+        if problem is not None:
+            logging.getLogger(__name__).warning("the trainer leaves cuDNN's attention kernel out: %s", problem)
         transformer = get_family(family).load_denoiser(model_path, dtype=dtype, device=device)
         policy = cls.with_lora(transformer, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                target_modules=target_modules, seed=seed, adapter_tensors=adapter_tensors,

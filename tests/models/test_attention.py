@@ -97,3 +97,72 @@ def test_a_process_allowing_only_some_kernels_caches_its_graphs_apart(tmp_path, 
     monkeypatch.setattr(compile_mod, "_DEFAULT_CACHE_DIR", str(default / "attention-flash-math"))
     assert compile_mod.cache_dir_for(None, ["cudnn", "math"]) == default / "attention-cudnn-math"
     assert compile_mod.cache_dir_for(None, SDPA_KERNELS) == default
+
+
+class _GradientReadAsContiguous(torch.autograd.Function):
+    """Attention whose backward reads the output's gradient memory as if it were contiguous [B, H, S, D], the
+    mistake cuDNN's kernel made on an H200 (docs/perf/flux/): right for a contiguous gradient, wrong for diffusers'."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        strides = torch.empty(grad.shape).stride()
+        misread = grad.as_strided(grad.shape, strides, grad.storage_offset())
+        with torch.enable_grad():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return torch.autograd.grad(out, (q, k, v), misread)
+
+
+def test_the_backward_check_finds_a_kernel_that_misreads_diffusers_gradient_layout():
+    from app.models.attention import BACKWARD_TOLERANCE, _kernel, backward_errors
+
+    assert max(backward_errors(_kernel("math"), head_dim=16, seq=24)) < 1e-6
+    errors = backward_errors(_GradientReadAsContiguous.apply, head_dim=16, seq=24)
+    assert min(errors) > 10 * BACKWARD_TOLERANCE, errors
+
+
+def test_a_trainer_leaves_out_cudnn_only_where_its_backward_is_wrong(monkeypatch):
+    from app.models import attention
+
+    monkeypatch.setattr(attention, "backward_problem", lambda kernel, device: f"{kernel} is wrong on {device}")
+    assert attention.leave_out_broken_backward(torch.device("cuda", 0)) == "cudnn is wrong on cuda:0"
+    assert sdpa_kernels() == ["flash", "efficient", "math"]
+    assert attention.leave_out_broken_backward(torch.device("cuda", 0)) is None  # nothing left to leave out
+
+    use_sdpa_kernels(SDPA_KERNELS)
+    monkeypatch.setattr(attention, "backward_problem", lambda kernel, device: None)
+    assert attention.leave_out_broken_backward(torch.device("cuda", 0)) is None
+    assert sdpa_kernels() == list(SDPA_KERNELS)
+
+    def never(kernel, device):
+        raise AssertionError("no check off CUDA")
+
+    monkeypatch.setattr(attention, "backward_problem", never)
+    assert attention.leave_out_broken_backward(torch.device("cpu")) is None
+
+
+def test_the_backward_check_runs_in_a_child_process_and_reports_a_kernel_that_fails():
+    """A faulting kernel must not take the trainer's CUDA context with it: the check runs in a child process. On a
+    CPU cuDNN's kernel takes no input, which is how a failure reads."""
+    from app.models.attention import backward_problem
+
+    assert backward_problem("math", "cpu") is None
+    problem = backward_problem("cudnn", "cpu")
+    assert problem is not None and problem.startswith("its attention backward failed on cpu"), problem
+
+
+@pytest.mark.gpu
+def test_every_kernel_a_trainer_keeps_has_the_right_backward_on_this_gpu():
+    from app.models.attention import BACKWARD_TOLERANCE, _kernel, backward_errors, leave_out_broken_backward
+
+    problem = leave_out_broken_backward(torch.device("cuda", 0))
+    print("cuDNN's backward:", problem or "right")
+    for kernel in sdpa_kernels():
+        for head_dim in (64, 128):
+            errors = backward_errors(_kernel(kernel), "cuda", dtype=torch.bfloat16, head_dim=head_dim)
+            assert max(errors) < BACKWARD_TOLERANCE, (kernel, head_dim, errors)
