@@ -24,6 +24,7 @@ from app.algo.timesteps import trained_steps
 from app.config import load
 from app.flops import group_flops, mfu
 from app.metrics import PhaseTimer, Stats
+from app.models.attention import leave_out_broken_backward
 from app.prompt_sets import load_prompts
 from app.rewards import build_reward
 from app.rollout.diffusers_engine import DiffusersEngine
@@ -38,6 +39,9 @@ def run(config, steps: int) -> dict:
     model, rollout, train = config.model, config.rollout, config.train
     engine = DiffusersEngine(model.path, dtype=model.dtype)
     engine.load()
+    problem = leave_out_broken_backward(engine.device)  # as the trainer's Policy.from_pretrained does
+    if problem is not None:
+        print(f"[baseline] cuDNN's attention kernel left out: {problem}", file=sys.stderr)
     # the engine samples with the module the policy trains: the LoRA is live in both
     policy = Policy.with_lora(engine.pipe.transformer, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
                               target_modules=model.lora_targets, seed=train.seed,
