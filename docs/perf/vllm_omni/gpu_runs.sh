@@ -3,7 +3,7 @@
 # weights), vllm-omni beside the family's in-process engine, eager and each at its best, an adapter served. Stages run
 # through docs/perf/kernels/lease.sh (RUNS=docs/perf/vllm_omni/gpu_runs.sh), after the pinned stack was carried and
 # installed (docs/perf/vllm_omni/README.md, "A lease"):
-#   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE | loop MODE
+#   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sdpacheck | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE | loop MODE
 #                                        | trainstep FAMILY | job FAMILY,NAME,STEPS | odesteps FAMILY
 # FAMILY: qwen_image | sd3 | bagel | flux | z_image | wan (videos: a group of 8 at 480p, 33 frames); ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
 # (vllm-omni: its regional torch.compile, the adapter in vLLM's LoRA layers; ours: compiled blocks, the adapter
@@ -53,6 +53,8 @@ case "$1" in
     timeout ${TESTS_TIMEOUT:-1500} python -m pytest -p no:cacheprovider -m gpu -rA --tb=short --durations=0 \
       $files > "$OUT/gpu_tests.txt" 2>&1
     echo "pytest exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -n 40 ;;
+  sdpacheck)  # cuDNN's attention backward against flash's, the gradient contiguous and in diffusers' layout
+    python docs/perf/flux/sdpa_backward_check.py 2>&1 | tail -n 12 | tee "$OUT/sdpa_backward.txt" ;;
   sd3diag)  # the building blocks where vllm-omni's SD3 and diffusers' differ, fp32 on the GPU
     python docs/perf/vllm_omni/sd3_kernels.py 2>&1 | tail -n 40 | tee "$OUT/sd3_kernels.txt" ;;
   model)  # model FAMILY: its real-size random checkpoint (the one before it removed)
