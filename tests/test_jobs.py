@@ -127,3 +127,13 @@ def test_bench_ode_steps_prints_one_json_line(capfd, tiny_model_dir):
     assert cached["reward_shift"] != 0.0 and cached["reward_seed_std"] == result["full"]["reward_std"]
     assert fp8["window_first_logprobs_exact"] is True and fp8["reward_shift"] != 0.0
     assert fp8["fp8_quantize_s_per_group"] > 0 and "ode_forwards_cached_share" not in fp8
+
+
+@pytest.mark.parametrize("values", [[3.0], [1.0, 2.0], [5.0, 1.0, 4.0, 2.0, 3.0], [0.1 * i * i for i in range(37)]])
+def test_the_serving_bench_percentiles_are_numpys_linear_ones(values):
+    import numpy as np
+
+    from jobs.bench_serving import percentile
+
+    for q in (0, 50, 95, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12, abs=1e-12)

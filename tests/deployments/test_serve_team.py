@@ -116,3 +116,30 @@ def test_a_body_over_the_limit_is_a_413(served):
     assert response.status_code == 413
     error = response.json()["error"]
     assert error["code"] == "body_too_large" and "serve.max_body_bytes" in error["message"]
+
+
+def test_the_serving_bench_measures_http_beside_the_handle_with_the_key(served):
+    """jobs.bench_serving's measurement on this application: both paths at each level, every answer counted with
+    its images, latency percentiles in order; a wrong key is counted as 401s, never as served images."""
+    from ray import serve
+
+    from app.config import RolloutConfig
+    from jobs.bench_serving import bench, handle_sender, http_sender, measure, summary
+
+    sampling = RolloutConfig(engine="diffusers", group_size=2, height=64, width=64, num_inference_steps=2)
+    body = {"prompt": "a cat", "n": 2, "size": "64x64", "num_inference_steps": 2, "return_trajectory": True}
+    senders = {"http": http_sender(f"{served}/v1/images/generations", body, KEY),
+               "handle": handle_sender(serve.get_deployment_handle("Rollout", APP),
+                                       lambda i: sampling.request("a cat", seed=i))}
+    rows = bench(senders, [1, 2], requests_per_client=2, min_requests=3)
+    assert [(r["path"], r["concurrency"], r["requests"]) for r in rows] == [
+        ("http", 1, 3), ("handle", 1, 3), ("http", 2, 4), ("handle", 2, 4)]
+    for row in rows:
+        assert row["statuses"] == {"200": row["requests"]} and row["images"] == 2 * row["requests"], row
+        assert 0 < row["latency_p50_s"] <= row["latency_p95_s"] <= row["latency_p99_s"] <= row["wall_s"], row
+        assert row["bytes_per_answer"] > 0
+    ratios = summary(rows)["http_over_handle_images_per_s"]
+    assert set(ratios) == {"1", "2"} and all(r > 0 for r in ratios.values())
+
+    refused = measure(http_sender(f"{served}/v1/images/generations", body, "not-the-key"), 2, 4)
+    assert refused["statuses"] == {"401": 4} and refused["images"] == 0 and "latency_p50_s" not in refused

@@ -5,6 +5,7 @@
 # installed (docs/perf/vllm_omni/README.md, "A lease"):
 #   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sdpacheck | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE | loop MODE
 #                                        | trainstep FAMILY | job FAMILY,NAME,STEPS | odesteps FAMILY
+#                                        | serving FAMILY
 # FAMILY: qwen_image | sd3 | bagel | flux | z_image | wan (videos: a group of 8 at 480p, 33 frames); ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
 # (vllm-omni: its regional torch.compile, the adapter in vLLM's LoRA layers; ours: compiled blocks, the adapter
 # folded in where the config folds it) | merged (vllm-omni compiled with the adapter folded in: rollout.merge_lora)
@@ -105,6 +106,13 @@ case "$1" in
       rollout.sde_window.size=2 "rollout.sde_window.range=[0,5]" "${EXTRA[@]}" --thresholds "${thresholds[@]}" --fp8 2>"$OUT/${family}_ode_steps.err" | tail -1 \
       | sed "s/^{/{\"run\": \"${family}_ode_steps\", /" | tee -a "$OUT/bench_ode_steps.jsonl"
     tail -n 3 "$OUT/${family}_ode_steps.err" ;;
+  serving)  # serving FAMILY: jobs.bench_serving, a vllm-omni replica of the family on the GPU, eager: HTTP beside the
+    # Serve handle at 1, 4, 16 and 64 concurrent clients (issue 56)
+    family=$2
+    timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_serving --config ${CFG[$family]} --out "$OUT/bench_serving.jsonl" \
+      model.path="$MODELS/$family" rollout.engine=vllm_omni model.compile.enabled=false ${SET[$family]} "${EXTRA[@]}" \
+      2>"$OUT/${family}_serving.err" | tail -n 12
+    tail -n 3 "$OUT/${family}_serving.err" ;;
   job)  # job FAMILY,NAME,STEPS: the family's 2-GPU recipe in jobs.train, JPEG reward, pipelined
     IFS=, read -r family name steps <<< "$2"
     timeout ${JOB_TIMEOUT:-560} python -m jobs.train --config ${CFG[$family]} model.path="$MODELS/$family" \
