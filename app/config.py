@@ -75,6 +75,7 @@ class OldLogprob(StrEnum):
 MergedBaseOn = _choices("MergedBaseOn", ("device", "host", "auto"))
 # torch.compile's modes (None: its default); "reduce-overhead" adds CUDA graphs
 CompileMode = _choices("CompileMode", ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+CompileGuards = _choices("CompileGuards", ("full", "lean"))
 
 
 class LogLevel(StrEnum):
@@ -107,6 +108,10 @@ class CompileConfig:
     # diffusers' complex multiply runs as eager kernels inside the compiled blocks). The same numbers on the CPU to
     # the last bit (app/models/qwen_image/rope.py); false: diffusers' own
     real_rope: bool = True
+    # the trainer's compiled blocks: `full` checks every guard dynamo made at each call of each block; `lean` drops
+    # those on module attributes a trainer never changes after its first step (hooks, types, constants), keeping
+    # the adapter's switches, tensors, grad mode and shapes (app/models/compile.py `lean_guards`). Engines: full
+    guards: CompileGuards = CompileGuards.full
 
 
 @dataclass

@@ -137,6 +137,7 @@ def bench(config, groups: int, repeats: int, profile: str | None = None, shard_f
         "lora_rank": model.lora_rank, "lora_targets": len(model.lora_targets),
         "micro_batch_size": train.micro_batch_size, "gradient_checkpointing": train.gradient_checkpointing,
         "compiled": policy.compiled, "compile_mode": trainer_mode(model.compile.mode) if policy.compiled else None,
+        "guards": str(model.compile.guards) if policy.compiled else None,
         "real_rope": bool(model.compile.real_rope) if policy.compiled else False,
         "shard_frozen": shard_frozen or world > 1,
         "activation_memory_budget": train.activation_memory_budget,

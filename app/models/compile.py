@@ -124,11 +124,34 @@ def _checkpointed_forward(block, *args, **kwargs):
     return _forward(block, *args, **kwargs)
 
 
+# `model.compile.guards: lean`: the guards dynamo drops on a trainer's blocks, where their source is an attribute of
+# an nn module the trainer never changes after its first step (its hooks dicts, an attribute's absence, types,
+# closures, constants such as head counts). Kept: every guard on the adapter's switches (peft's `_disable_adapters`,
+# `merged_adapters`, the active adapter: the reference forward runs the adapter off), on train/eval mode, tensors
+# (parameters too), grad mode, shapes and globals. About two thirds of a block's guards go.
+LEAN_DROPPED_GUARDS = frozenset({"EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT", "TYPE_MATCH",
+                                 "DICT_KEYS_MATCH", "DICT_NOT_CONTAINS", "CLOSURE_MATCH", "SEQUENCE_LENGTH",
+                                 "CONSTANT_MATCH", "EQUALS_MATCH"})
+LEAN_KEPT_NAMES = ("adapter", "merged", "training", "scaling", "use_dora")
+
+
+def lean_guards(entries) -> list[bool]:
+    """dynamo's `guard_filter_fn` for `guards: lean`: which of a compiled block's guards to keep."""
+    keep = []
+    for entry in entries:
+        source = entry.orig_guard.source
+        module_attribute = source is not None and source.is_unspecialized_nn_module()
+        keep.append(not module_attribute or entry.guard_type not in LEAN_DROPPED_GUARDS
+                    or any(name in entry.name for name in LEAN_KEPT_NAMES))
+    return keep
+
+
 def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: str | None = None,
-                   checkpoint: bool = False) -> int:
+                   checkpoint: bool = False, guards: str = "full") -> int:
     """Compile each block's forward in place (lazily: the first call compiles), with gradient checkpointing inside
     the compiled region when `checkpoint`; returns how many blocks. Every block runs one compiled function (the
-    block is its argument), so identical blocks share its graphs."""
+    block is its argument), so identical blocks share its graphs. guards: `full` (dynamo's) or `lean`
+    (`lean_guards`: fewer checked on every call of every block)."""
     import types
 
     import torch
@@ -139,8 +162,11 @@ def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: st
     # later pass that then restarts the whole analysis, so every first compilation ran twice (half a cold start)
     torch._dynamo.config.specialize_float = True
     mode = None if mode in (None, "default") else str(mode)
+    if guards not in ("full", "lean"):
+        raise ValueError(f"guards={guards!r}: full or lean")
+    options = {"guard_filter_fn": lean_guards} if guards == "lean" else None
     compiled = torch.compile(_checkpointed_forward if checkpoint else _forward, backend=str(backend), mode=mode,
-                             dynamic=True)
+                             dynamic=True, options=options)
     count = 0
     for block in blocks:
         if getattr(block, "_flowgrpo_compiled", False):
@@ -191,7 +217,8 @@ def apply_compile(module: Any, family: Any, settings: Any, *, inference: bool = 
     checkpoint = bool(getattr(module, "gradient_checkpointing", False))
     if checkpoint:
         module.gradient_checkpointing = False  # the compiled blocks checkpoint themselves
-    return compile_blocks(blocks, backend=settings.backend, mode=mode, checkpoint=checkpoint)
+    guards = "full" if inference else str(settings.guards)  # the engines keep dynamo's own
+    return compile_blocks(blocks, backend=settings.backend, mode=mode, checkpoint=checkpoint, guards=guards)
 
 
 def compile_counts() -> dict[str, int]:

@@ -70,3 +70,42 @@ def test_a_trainer_compiles_the_mode_without_cuda_graphs_and_marks_no_step(monke
     assert compiled["mode"] == mode
     engine(torch.randn(2, 8, dtype=torch.float64))
     assert len(marks) == (mode != "default")
+
+
+def test_lean_guards_keep_the_adapters_switches_tensors_and_grad_mode_and_drop_module_bookkeeping():
+    """`model.compile.guards: lean` (the trainer's blocks): dynamo's guards on module attributes a trainer never
+    changes go, every guard that can tell two calls of a block apart in a run stays."""
+    from types import SimpleNamespace
+
+    from app.models.compile import lean_guards
+
+    def entry(kind, name, module=True):
+        source = SimpleNamespace(is_unspecialized_nn_module=lambda: module)
+        return SimpleNamespace(guard_type=kind, name=name, orig_guard=SimpleNamespace(source=source))
+
+    block = "self._modules['attn']._modules['to_q']"
+    entries = [entry("CONSTANT_MATCH", f"{block}._disable_adapters"),  # the reference forward turns it
+               entry("CONSTANT_MATCH", f"{block}.merged_adapters"),
+               entry("CONSTANT_MATCH", "self.training"),
+               entry("TENSOR_MATCH", f"{block}._parameters['weight']"),
+               entry("ID_MATCH", f"{block}._modules['lora_A']"),
+               entry("GRAD_MODE", "", module=False),
+               entry("TENSOR_MATCH", "L['hidden_states']", module=False),
+               entry("CONSTANT_MATCH", "L['attention_kwargs']", module=False),
+               entry("EMPTY_NN_MODULE_HOOKS_DICT", f"{block}._forward_hooks"),
+               entry("NOT_PRESENT_IN_GENERIC_DICT", f"{block}.__dict__"),
+               entry("TYPE_MATCH", f"{block}"),
+               entry("CONSTANT_MATCH", "self._modules['attn'].heads")]
+    assert lean_guards(entries) == [True] * 8 + [False] * 4
+
+
+def test_guards_take_full_or_lean_and_the_engines_keep_full(monkeypatch, marks):
+    from app.models.compile import compile_blocks
+
+    with pytest.raises(ValueError, match="guards='none': full or lean"):
+        compile_blocks([], guards="none")
+    asked = []
+    monkeypatch.setattr(compile_mod, "compile_blocks", lambda blocks, **kw: asked.append(kw["guards"]) or 0)
+    for inference in (False, True):
+        apply_compile(Stack(), StackFamily(), CompileConfig(enabled=True, guards="lean"), inference=inference)
+    assert asked == ["lean", "full"]  # the trainer's blocks lean, an engine's full

@@ -160,6 +160,42 @@ def test_an_engine_that_merges_compiles_once_and_the_first_pass_stays_exact(comp
     assert 0 < mismatch["rollout/logprob_mismatch_max"] < 1e-4
 
 
+def test_lean_guards_train_and_score_as_full_guards(compiled, tiny_model_dir, aio):
+    """`model.compile.guards: lean` drops the guards on module attributes a trainer never changes: the policy
+    compiles graphs of its own, its first pass is exactly 1 and its gradients (the KL's reference forward, the
+    adapter off, among them) are the full-guard policy's bit for bit, the adapter's switch still picks another
+    graph, and later groups compile nothing."""
+    engine, policy, settings, adapter = compiled
+    aio(engine.load_lora(adapter))
+    traj = aio(engine.generate(ROLLOUT.request(FIRST, seed=21, group_id=0)))
+
+    def scores(p, reference: bool) -> torch.Tensor:
+        with torch.no_grad():
+            if reference:
+                with p.reference():
+                    return torch.stack([o.log_prob for o in p.score(traj, range(4), range(4))], dim=1)
+            return torch.stack([o.log_prob for o in p.score(traj, range(4), range(4))], dim=1)
+
+    _, _, full_grads = _pass(policy, traj)
+    full_reference = scores(policy, True)
+    # dynamo keeps a function's graphs on its code, whichever torch.compile made them: without a reset the lean
+    # policy would run the full policy's graphs (the engine compiles again at its next group: not used here)
+    torch._dynamo.reset()
+    lean = _policy(tiny_model_dir, adapter, compile=dataclasses.replace(settings, guards="lean"))
+    before = compile_counts()
+    stats, _, grads = _pass(lean, traj)
+    assert compile_counts()["frames"] > before["frames"]  # its own graphs, made with the filter
+    assert stats["actor/ratio_dev_first_pass_max"] == 0.0
+    for g, f in zip(grads, full_grads, strict=True):
+        assert torch.equal(g, f)
+    assert torch.equal(scores(lean, True), full_reference)
+    assert not torch.equal(scores(lean, True), scores(lean, False))  # the adapter's switch kept its guard
+    other = aio(engine.generate(ROLLOUT.request('a banner that says "LEAN"', seed=22, group_id=1, sde_window=(1, 3))))
+    before = compile_counts()
+    assert _pass(lean, other)[0]["actor/ratio_dev_first_pass_max"] == 0.0
+    assert compile_counts() == before
+
+
 def test_a_new_process_compiles_from_the_shared_cache(tiny_model_dir, tmp_path):
     """A process samples a group with a compiled engine and trains a compiled policy on it; a second one, the same
     work given a copy of that cache folder at another path (a restarted worker, a replacement replica, a fresh
