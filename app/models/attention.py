@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -93,8 +95,10 @@ def _kernel(name: str) -> Callable[..., torch.Tensor]:
 def backward_problem(kernel: str, device: str) -> str | None:
     """What is wrong with `kernel`'s attention backward on `device` (None: right within BACKWARD_TOLERANCE at head
     dims 64 and 128). Measured in a child process: a kernel that faults poisons its process's CUDA context."""
+    root = str(Path(__file__).resolve().parents[2])  # the child imports this project wherever the caller runs
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-m", "app.models.attention", kernel, device], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=env, cwd=root)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return f"its attention backward failed on {device} ({last})"
