@@ -90,12 +90,17 @@ case "$1" in
       logging.image_every=0 logging.dir=/tmp/runs/$name > "$OUT/$name.log" 2>&1
     echo "$name: exit $?"; cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
     grep -E "\[flowgrpo\] step|Error|error" "$OUT/$name.log" | tail -n 8 ;;
-  trainstep)  # trainstep FAMILY: the trainer's update at real size, compiled, one GPU
+  trainstep)  # trainstep FAMILY: the trainer's update at real size, compiled, one GPU; a bench that fails runs
+    # once more without cuDNN's attention (the eighth session's FLUX failure: docs/gpus.md), named ..._nocudnn
     family=$2
-    timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_train_step --config ${CFG[$family]} --groups 2 --repeats 3 \
-      model.path="$MODELS/$family" model.compile.cache_dir=$CACHE ${SET[$family]} "${EXTRA[@]}" 2>"$OUT/${family}_trainstep.err" \
-      | tail -1 | sed "s/^{/{\"run\": \"${family}_trainstep\", /" | tee -a "$OUT/bench_train_step.jsonl"
-    tail -n 3 "$OUT/${family}_trainstep.err" ;;
+    for kernels in "" "model.attention_kernels=[flash,efficient,math]"; do
+      name=${family}_trainstep${kernels:+_nocudnn}
+      line=$(timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_train_step --config ${CFG[$family]} --groups 2 --repeats 3 \
+        model.path="$MODELS/$family" model.compile.cache_dir=$CACHE ${SET[$family]} "${EXTRA[@]}" $kernels \
+        2>"$OUT/$name.err" | tail -1)
+      tail -n 3 "$OUT/$name.err"
+      [[ $line == "{"* ]] && { sed "s/^{/{\"run\": \"$name\", /" <<< "$line" | tee -a "$OUT/bench_train_step.jsonl"; break; }
+    done ;;
   odesteps)  # odesteps FAMILY: cheaper ODE steps (rollout.ode_steps) against the full computation, the diffusers
     # engine compiled, the run's groups and seeds (issue 54: speed-up, reward shift beside the seed-to-seed spread):
     # First Block Cache at THRESHOLDS (THRESHOLDS= for none) and FP8 matmuls
@@ -113,13 +118,18 @@ case "$1" in
       model.path="$MODELS/$family" rollout.engine=vllm_omni model.compile.enabled=false ${SET[$family]} "${EXTRA[@]}" \
       2>"$OUT/${family}_serving.err" | tail -n 12
     tail -n 3 "$OUT/${family}_serving.err" ;;
-  job)  # job FAMILY,NAME,STEPS: the family's 2-GPU recipe in jobs.train, JPEG reward, pipelined
-    IFS=, read -r family name steps <<< "$2"
-    timeout ${JOB_TIMEOUT:-560} python -m jobs.train --config ${CFG[$family]} model.path="$MODELS/$family" \
-      model.compile.cache_dir=$CACHE ${SET[$family]} "reward.weights={jpeg_compressibility: 1.0}" train.num_steps=$steps \
-      train.checkpoint_every=0 eval.every=0 eval.before_train=false logging.image_every=0 logging.dir=/tmp/runs/$name \
-      "${JOBARGS[@]}" "${EXTRA[@]}" > "$OUT/$name.log" 2>&1
-    echo "$name: exit $?"; cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
-    grep -E "\[flowgrpo\] step|Error" "$OUT/$name.log" | tail -n 12 ;;
+  job)  # job FAMILY,NAME,STEPS: the family's 2-GPU recipe in jobs.train, JPEG reward, pipelined; RETRY_NOCUDNN=1:
+    # a failed job runs once more without cuDNN's attention, named NAME_nocudnn
+    IFS=, read -r family base steps <<< "$2"
+    for kernels in "" "model.attention_kernels=[flash,efficient,math]"; do
+      name=$base${kernels:+_nocudnn}
+      timeout ${JOB_TIMEOUT:-560} python -m jobs.train --config ${CFG[$family]} model.path="$MODELS/$family" \
+        model.compile.cache_dir=$CACHE ${SET[$family]} "reward.weights={jpeg_compressibility: 1.0}" train.num_steps=$steps \
+        train.checkpoint_every=0 eval.every=0 eval.before_train=false logging.image_every=0 logging.dir=/tmp/runs/$name \
+        "${JOBARGS[@]}" "${EXTRA[@]}" $kernels > "$OUT/$name.log" 2>&1
+      code=$?; echo "$name: exit $code"; cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
+      grep -E "\[flowgrpo\] step|Error" "$OUT/$name.log" | tail -n 12
+      [ $code = 0 ] || [ "${RETRY_NOCUDNN:-0}" != 1 ] && break
+    done ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -12,10 +12,10 @@ ONE_GPU="rollout.replica_num_gpus=0.5 cluster.worker_num_gpus=0.5"
 exec bash docs/perf/kernels/lease.sh start RUNS=$V setup sdpacheck TEST_FILES=tests/models/test_attention.py \
   TESTS_TIMEOUT=180 tests \
   model:flux "EXTRA=rollout.group_size=8 train.micro_batch_size=8" BENCH_TIMEOUT=400 trainstep:flux \
-  JOB_TIMEOUT=480 "JOBARGS=$ONE_GPU train.groups_per_step=1" job:flux,f_v,10 EXTRA= \
+  JOB_TIMEOUT=480 RETRY_NOCUDNN=1 "JOBARGS=$ONE_GPU train.groups_per_step=1" job:flux,f_v,10 RETRY_NOCUDNN=0 EXTRA= \
   model:wan "EXTRA=rollout.group_size=4 train.micro_batch_size=4" BENCH_TIMEOUT=300 bench:wan,vllm_omni,eager \
   bench:wan,local,eager JOB_TIMEOUT=540 "JOBARGS=$ONE_GPU train.groups_per_step=1" job:wan,w_v,10 EXTRA= \
   model:z_image BENCH_TIMEOUT=300 trainstep:z_image EXTRA=model.compile.guards=lean trainstep:z_image \
-  "EXTRA=rollout.group_size=4" BENCH_TIMEOUT=420 serving:z_image EXTRA= \
+  "EXTRA=rollout.group_size=4 train.micro_batch_size=4" BENCH_TIMEOUT=420 serving:z_image EXTRA= \
   model:qwen_image ODE_GROUPS=8 THRESHOLDS= BENCH_TIMEOUT=500 odesteps:qwen_image BENCH_TIMEOUT=300 trainstep:qwen_image \
   EXTRA=model.compile.guards=lean trainstep:qwen_image
