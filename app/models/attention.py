@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -111,16 +112,30 @@ def backward_problem(kernel: str, device: str) -> str | None:
             f"{BACKWARD_TOLERANCE:g}) when they arrive in diffusers' [B, S, H, D] layout")
 
 
+def check_backward_in_background(device: torch.device) -> Callable[[], str | None]:
+    """`leave_out_broken_backward` in two halves, so that its few seconds pass beside the caller's own work (a
+    trainer's model load): the measurement starts now, in a thread; the returned call waits for it, applies it and
+    returns why cuDNN's kernel was left out (None: nothing changed)."""
+    if device.type != "cuda" or "cudnn" not in sdpa_kernels():
+        return lambda: None
+    pool = ThreadPoolExecutor(1, thread_name_prefix="cudnn-backward-check")
+    measured = pool.submit(backward_problem, "cudnn", str(device))
+    pool.shutdown(wait=False)
+
+    def apply() -> str | None:
+        problem = measured.result()
+        if problem is not None:
+            use_sdpa_kernels([k for k in sdpa_kernels() if k != "cudnn"])
+        return problem
+
+    return apply
+
+
 def leave_out_broken_backward(device: torch.device) -> str | None:
     """A trainer's check before its first backward: on a CUDA device whose cuDNN attention backward is wrong
     (`backward_problem`), cuDNN's kernel is no longer allowed in this process (the others stay); returns why, or
     None when nothing changed."""
-    if device.type != "cuda" or "cudnn" not in sdpa_kernels():
-        return None
-    problem = backward_problem("cudnn", str(device))
-    if problem is not None:
-        use_sdpa_kernels([k for k in sdpa_kernels() if k != "cudnn"])
-    return problem
+    return check_backward_in_background(device)()
 
 
 if __name__ == "__main__":  # python -m app.models.attention KERNEL DEVICE: its backward errors, one JSON line

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from app.algo.sde import SDEStepOutput
-from app.models.attention import leave_out_broken_backward, use_sdpa_kernels
+from app.models.attention import check_backward_in_background, use_sdpa_kernels
 from app.models.family import ModelFamily, get_family
 from app.models.lora import ADAPTER_NAME, transformer_key
 from app.train.gather import to_host
@@ -70,12 +70,10 @@ class Policy:
         the frozen base weights too (None: only with several ranks; `_fully_shard`). reshard_after_forward: FSDP2's,
         for every unit (`train.reshard_after_forward`). attention_kernels: the kernels torch's attention may choose
         among in this process (`model.attention_kernels`; None: torch's), less cuDNN's where its backward is wrong
-        on this GPU (`leave_out_broken_backward`)."""
+        on this GPU (`check_backward_in_background`, measured while the model loads)."""
         device = torch.device(device)
         use_sdpa_kernels(attention_kernels)
-        problem = leave_out_broken_backward(device)
-        if problem is not None:
-            logging.getLogger(__name__).warning("the trainer leaves cuDNN's attention kernel out: %s", problem)
+        backward_checked = check_backward_in_background(device)  # beside the load: its seconds cost nothing
         transformer = get_family(family).load_denoiser(model_path, dtype=dtype, device=device)
         policy = cls.with_lora(transformer, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                target_modules=target_modules, seed=seed, adapter_tensors=adapter_tensors,
@@ -85,6 +83,8 @@ class Policy:
         if policy.sharded:
             _fully_shard(transformer, policy.family, dtype, shard_frozen=shard_frozen,
                          reshard_after_forward=reshard_after_forward)
+        if (problem := backward_checked()) is not None:  # before the blocks compile: the kernels are traced in
+            logging.getLogger(__name__).warning("the trainer leaves cuDNN's attention kernel out: %s", problem)
         policy.compile(compile)
         if activation_memory_budget is not None:  # read when the blocks compile, at their first call
             torch._functorch.config.activation_memory_budget = activation_memory_budget

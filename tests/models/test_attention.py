@@ -146,6 +146,27 @@ def test_a_trainer_leaves_out_cudnn_only_where_its_backward_is_wrong(monkeypatch
     assert attention.leave_out_broken_backward(torch.device("cpu")) is None
 
 
+def test_the_backward_check_measures_beside_the_callers_work_and_applies_when_asked(monkeypatch):
+    """A trainer starts the check before its model loads and applies it before its blocks compile."""
+    import threading
+
+    from app.models import attention
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow(kernel, device):
+        started.set()
+        release.wait(30)
+        return "wrong"
+
+    monkeypatch.setattr(attention, "backward_problem", slow)
+    apply = attention.check_backward_in_background(torch.device("cuda", 0))
+    assert started.wait(30)  # measuring while the caller goes on
+    assert sdpa_kernels() == list(SDPA_KERNELS)  # nothing changed before it is applied
+    release.set()
+    assert apply() == "wrong" and sdpa_kernels() == ["flash", "efficient", "math"]
+
+
 def test_the_backward_check_runs_in_a_child_process_and_reports_a_kernel_that_fails():
     """A faulting kernel must not take the trainer's CUDA context with it: the check runs in a child process. On a
     CPU cuDNN's kernel takes no input, which is how a failure reads."""
