@@ -68,13 +68,7 @@ def backward_errors(attention: Callable[..., torch.Tensor], device: torch.device
         out.backward(grad.to(cast).transpose(1, 2))
         return [t.grad.double() for t in leaves]
 
-    def math(*qkv: torch.Tensor) -> torch.Tensor:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([SDPBackend.MATH]):
-            return torch.nn.functional.scaled_dot_product_attention(*qkv)
-
-    reference = grads(math, torch.float32)
+    reference = grads(_kernel("math"), torch.float32)
     return [float((g - r).norm() / r.norm()) for g, r in zip(grads(attention, dtype), reference, strict=True)]
 
 
