@@ -47,6 +47,11 @@ def sdpa_kernels() -> list[str]:
 # transposed view of [B, S, H, D] memory, the layout every diffusers model hands back, and FLUX.1's trainer under
 # torch 2.13 / cuDNN 9.20 hit an illegal memory access there (docs/perf/flux/). The forward is right: engines keep it.
 BACKWARD_TOLERANCE = 2e-2  # relative error of a gradient against fp32 math: bf16 kernels are near 3e-3
+# The shapes measured on a GPU ([B, S, H]): the fault depends on them. Under torch 2.13 / cuDNN 9.20 on an H200 cuDNN
+# was right at 320 tokens and 4 heads and wrong at FLUX.1's 1152 tokens and 24 heads (and Z-Image's 1056 and 30), so
+# the check measures a trainer's shape, not only a small one (docs/perf/vllm_omni/lease7_h200_2026-11-29/).
+GPU_CHECK_SHAPES = ((2, 320, 4), (2, 1152, 24))
+CPU_CHECK_SHAPES = ((2, 320, 4),)  # a CPU has no cuDNN: the child's plumbing only
 
 
 def backward_errors(attention: Callable[..., torch.Tensor], device: torch.device | str = "cpu", *,
@@ -89,7 +94,8 @@ def _kernel(name: str) -> Callable[..., torch.Tensor]:
 @functools.cache
 def backward_problem(kernel: str, device: str) -> str | None:
     """What is wrong with `kernel`'s attention backward on `device` (None: right within BACKWARD_TOLERANCE at head
-    dims 64 and 128). Measured in a child process: a kernel that faults poisons its process's CUDA context."""
+    dims 64 and 128, at each of GPU_CHECK_SHAPES on a GPU). Measured in a child process: a kernel that faults
+    poisons its process's CUDA context."""
     root = str(Path(__file__).resolve().parents[2])  # the child imports this project wherever the caller runs
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-m", "app.models.attention", kernel, device], capture_output=True,
@@ -98,12 +104,12 @@ def backward_problem(kernel: str, device: str) -> str | None:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return f"its attention backward failed on {device} ({last})"
     errors = json.loads(proc.stdout.strip().splitlines()[-1])
-    worst = max(max(e) for e in errors.values())
+    where, worst = max(((shape, max(e)) for shape, e in errors.items()), key=lambda item: item[1])
     if worst <= BACKWARD_TOLERANCE:
         return None
     return (f"its attention backward is wrong on {device} under torch {torch.__version__}, cuDNN "
             f"{torch.backends.cudnn.version()}: gradients {worst:.2g} off fp32 math (relative; bound "
-            f"{BACKWARD_TOLERANCE:g}) when they arrive in diffusers' [B, S, H, D] layout")
+            f"{BACKWARD_TOLERANCE:g}) at {where} when they arrive in diffusers' [B, S, H, D] layout")
 
 
 def check_backward_in_background(device: torch.device) -> Callable[[], str | None]:
@@ -134,5 +140,8 @@ def leave_out_broken_backward(device: torch.device) -> str | None:
 
 if __name__ == "__main__":  # python -m app.models.attention KERNEL DEVICE: its backward errors, one JSON line
     kernel, device = sys.argv[1], sys.argv[2]
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    print(json.dumps({str(d): backward_errors(_kernel(kernel), device, dtype=dtype, head_dim=d) for d in (64, 128)}))
+    cuda = device.startswith("cuda")
+    dtype, shapes = (torch.bfloat16, GPU_CHECK_SHAPES) if cuda else (torch.float32, CPU_CHECK_SHAPES)
+    print(json.dumps({f"B={b} S={s} H={h} D={d}": backward_errors(_kernel(kernel), device, dtype=dtype, head_dim=d,
+                                                                   batch=b, seq=s, heads=h)
+                      for b, s, h in shapes for d in (64, 128)}))

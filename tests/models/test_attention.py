@@ -177,13 +177,41 @@ def test_the_backward_check_runs_in_a_child_process_and_reports_a_kernel_that_fa
     assert problem is not None and problem.startswith("its attention backward failed on cpu"), problem
 
 
+def test_the_backward_check_reports_the_worst_shape_it_measured(monkeypatch):
+    """The fault depends on the shape (right at 320 tokens, wrong at FLUX.1's 1152 on an H200): one wrong shape
+    among right ones is enough, and the answer names it."""
+    import json
+    import subprocess
+
+    from app.models import attention
+
+    right = {"B=2 S=320 H=4 D=64": [3e-3] * 3, "B=2 S=320 H=4 D=128": [3e-3] * 3}
+    wrong = {**right, "B=2 S=1152 H=24 D=128": [1.41, 1.41, 1.40]}
+    for errors, expected in ((right, None), (wrong, "B=2 S=1152 H=24 D=128")):
+        answer = subprocess.CompletedProcess([], 0, stdout=json.dumps(errors) + "\n", stderr="")
+        monkeypatch.setattr(attention.subprocess, "run", lambda *args, answer=answer, **kwargs: answer)
+        problem = attention.backward_problem.__wrapped__("cudnn", "cuda:0")  # uncached
+        if expected is None:
+            assert problem is None
+        else:
+            assert "1.4 off fp32 math" in problem and f"at {expected}" in problem, problem
+
+
 @pytest.mark.gpu
 def test_every_kernel_a_trainer_keeps_has_the_right_backward_on_this_gpu():
-    from app.models.attention import BACKWARD_TOLERANCE, _kernel, backward_errors, leave_out_broken_backward
+    from app.models.attention import (
+        BACKWARD_TOLERANCE,
+        GPU_CHECK_SHAPES,
+        _kernel,
+        backward_errors,
+        leave_out_broken_backward,
+    )
 
     problem = leave_out_broken_backward(torch.device("cuda", 0))
     print("cuDNN's backward:", problem or "right")
     for kernel in sdpa_kernels():
-        for head_dim in (64, 128):
-            errors = backward_errors(_kernel(kernel), "cuda", dtype=torch.bfloat16, head_dim=head_dim)
-            assert max(errors) < BACKWARD_TOLERANCE, (kernel, head_dim, errors)
+        for batch, seq, heads in GPU_CHECK_SHAPES:
+            for head_dim in (64, 128):
+                errors = backward_errors(_kernel(kernel), "cuda", dtype=torch.bfloat16, head_dim=head_dim,
+                                         batch=batch, seq=seq, heads=heads)
+                assert max(errors) < BACKWARD_TOLERANCE, (kernel, seq, heads, head_dim, errors)

@@ -112,11 +112,11 @@ case "$1" in
       | sed "s/^{/{\"run\": \"${family}_ode_steps\", /" | tee -a "$OUT/bench_ode_steps.jsonl"
     tail -n 3 "$OUT/${family}_ode_steps.err" ;;
   serving)  # serving FAMILY: jobs.bench_serving, a vllm-omni replica of the family on the GPU, eager: HTTP beside the
-    # Serve handle at 1, 4, 16 and 64 concurrent clients (issue 56)
+    # Serve handle at CLIENTS concurrent clients (default 1 4 16 64; issue 56)
     family=$2
     timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_serving --config ${CFG[$family]} --out "$OUT/bench_serving.jsonl" \
       model.path="$MODELS/$family" rollout.engine=vllm_omni model.compile.enabled=false ${SET[$family]} "${EXTRA[@]}" \
-      2>"$OUT/${family}_serving.err" | tail -n 12
+      --concurrency ${CLIENTS:-1 4 16 64} 2>"$OUT/${family}_serving.err" | tail -n 12
     tail -n 3 "$OUT/${family}_serving.err" ;;
   job)  # job FAMILY,NAME,STEPS: the family's 2-GPU recipe in jobs.train, JPEG reward, pipelined; RETRY_NOCUDNN=1:
     # a failed job runs once more without cuDNN's attention, named NAME_nocudnn
