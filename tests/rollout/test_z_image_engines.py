@@ -4,6 +4,8 @@ own lengths); seeds reproduce a group whatever the batching; the trainer's log-p
 bit for the diffusers engine; within 1e-5 for vllm-omni, whose transformer fuses q/k/v and the MLP's w1/w3) with and
 without CFG and a LoRA; the two engines agree; a LoRA arrives in memory."""
 
+import dataclasses
+
 import pytest
 import torch
 from merging import assert_merged_is_the_adapter, sample_both_ways
@@ -135,3 +137,36 @@ def test_an_engine_that_merges_samples_what_the_adapter_samples(z_image_engine, 
     finally:
         aio(engine.close())
     assert_merged_is_the_adapter(groups, version=2, moved=1e-2)
+
+
+def test_the_base_model_through_a_zero_adapter_is_the_base_model_and_stays_staged(vllm_engines, aio, tiny_z_image_dir,
+                                                                                    lora_v2):
+    """vLLM puts its LoRA layers into the transformer at the first adapter it serves, so a compiled engine (CUDA)
+    that served step 1's base model without one compiled every block again at step 2. It serves the base model
+    through a zero adapter of the run's shape instead (`zero_adapter_for_base`: on when compiled; asked for here,
+    where vllm-omni's CPU platform runs eager): the same group bit for bit, through the LoRA layers, and the zero
+    adapter stays staged while published versions come and go."""
+    from app.rollout.vllm_omni.lora import BASE_LORA_ID, zero_lora
+
+    zero = zero_lora(tiny_z_image_dir, rank=4, alpha=4, target_modules=FAMILY.lora_targets, dtype=torch.float32)
+    assert {k: v.shape for k, v in zero.tensors.items()} == {k: v.shape for k, v in lora_v2.tensors.items()}
+    assert all(not t.any() for k, t in zero.tensors.items() if ".lora_B." in k)
+
+    base = aio(vllm_engines.get(tiny_z_image_dir, family="z_image").generate(request()))
+    engine = vllm_engines.get(tiny_z_image_dir, family="z_image", zero_adapter_for_base=True, lora_rank=4,
+                              lora_alpha=4, lora_targets=tuple(FAMILY.lora_targets))
+    served = aio(engine.generate(request()))
+    assert aio(engine._rpc("lora_state"))["active"] == BASE_LORA_ID
+    assert served.lora_version == 0
+    assert torch.equal(served.latents, base.latents) and torch.equal(served.log_probs, base.log_probs)
+    assert torch.equal(served.images, base.images)
+
+    for version in (2, 3, 4):  # more than the worker keeps staged
+        aio(engine.load_lora(dataclasses.replace(lora_v2, version=version)))
+        aio(engine.generate(request(n=1)))
+    state = aio(engine._rpc("lora_state"))
+    assert state["active"] == 4 and state["staged"][0] == BASE_LORA_ID and state["staged"][1:] == [3, 4]
+    aio(engine.load_lora(None))  # reset: the base model through the zero adapter again
+    again = aio(engine.generate(request()))
+    assert aio(engine._rpc("lora_state"))["active"] == BASE_LORA_ID
+    assert torch.equal(again.latents, base.latents)

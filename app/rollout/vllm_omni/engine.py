@@ -35,7 +35,7 @@ from app.models.lora import PIPELINE_PREFIX, transformer_key
 from app.models.lora_merge import adapter_layers
 from app.rollout.seeding import draw_seed
 from app.rollout.vllm_omni.exchange import FlowGRPOArgs
-from app.rollout.vllm_omni.lora import LORA_DELIVERIES
+from app.rollout.vllm_omni.lora import BASE_LORA_ID, LORA_DELIVERIES, zero_lora
 from app.types import GenerationRequest, LoraAdapter, RequestError, Trajectory
 
 WORKER_EXTENSION = "app.rollout.vllm_omni.worker.FlowGRPOWorkerExtension"
@@ -111,14 +111,18 @@ class VllmOmniEngine:
     def __init__(self, model_path: str | os.PathLike, *, family: str = "qwen_image", dtype: str = "float32",
                  batched_groups: bool = True, max_num_seqs: int = 1, engine_kwargs: dict | None = None,
                  compile=None, merge_lora: bool = False, lora_targets: tuple[str, ...] = (),
-                 thinker_stage: bool = False):
+                 thinker_stage: bool = False, lora_rank: int = 0, lora_alpha: float = 0.0,
+                 zero_adapter_for_base: bool | None = None):
         """compile: a `model.compile` section. On CUDA vllm-omni compiles the transformer's blocks itself unless
         told `enforce_eager`, which follows the section; its CPU platform runs eager either way. merge_lora: fold
         each published adapter into the weights (merge.py) instead of serving it through vLLM's LoRA layers; the
         weights then change between groups, never during one; lora_targets: the run's adapters' target modules,
         whose base weights a merging engine starts reading at its start (the first fold then waits for nothing);
         thinker_stage: the family's two-stage deploy (BAGEL: a thinker prefills the prompt, the DiT denoises on its
-        KV; text to image, CUDA only), our pipeline and worker extension in the DiT stage."""
+        KV; text to image, CUDA only), our pipeline and worker extension in the DiT stage. lora_rank, lora_alpha:
+        the run's adapters' (with lora_targets). zero_adapter_for_base: serve the base model (version 0) through a
+        zero adapter of the run's shape (lora.py `zero_lora`) where adapters go through vLLM's LoRA layers, so that
+        the graphs compiled at the first step are those of every later step (None: when compiled)."""
         self.model_path = str(Path(model_path).resolve())
         self.family = family
         self.face = get_family(family)  # looked up once: every request asks it for its guidance fields
@@ -155,6 +159,13 @@ class VllmOmniEngine:
                 # fp32 model (the tiny checkpoints, parity runs) attends through torch's SDPA, which takes fp32
                 self.engine_kwargs.setdefault("diffusion_attention_config", FP32_ATTENTION)
         self.compiled = enabled and torch.cuda.is_available()
+        # the zero adapter staged for version 0 (BASE_LORA_ID; None: version 0 runs without vLLM's LoRA layers)
+        self._base_lora = None
+        zero_adapter_for_base = self.compiled if zero_adapter_for_base is None else zero_adapter_for_base
+        if (zero_adapter_for_base and lora_rank > 0 and self.lora_targets and not merge_lora and not thinker_stage
+                and self.recipe.lora_delivery == "vllm_manager"):
+            self._base_lora = zero_lora(self.model_path, rank=lora_rank, alpha=lora_alpha or lora_rank,
+                                        target_modules=self.lora_targets, dtype=getattr(torch, str(self.dtype)))
         self._omni = None
         self._start_lock = asyncio.Lock()
         self._lora_version = 0
@@ -170,7 +181,8 @@ class VllmOmniEngine:
         """The engine of a run config's model and rollout sections."""
         return cls(model.path, family=model.family, dtype=model.dtype, batched_groups=rollout.batched_groups,
                    max_num_seqs=rollout.max_num_seqs, compile=model.compile, merge_lora=rollout.merge_lora,
-                   lora_targets=tuple(model.lora_targets), thinker_stage=rollout.thinker_stage)
+                   lora_targets=tuple(model.lora_targets), thinker_stage=rollout.thinker_stage,
+                   lora_rank=model.lora_rank, lora_alpha=model.lora_alpha)
 
     @property
     def merged_base_on(self) -> str | None:
@@ -202,6 +214,9 @@ class VllmOmniEngine:
                                    **kwargs, **self.engine_kwargs)
             if self.merge_lora and self.lora_targets:
                 await self._rpc("keep_lora_base", list(self.lora_targets))
+            if self._base_lora is not None:  # served for version 0 (see __init__)
+                tensors, peft_config = LORA_DELIVERIES[self.recipe.lora_delivery](self._base_lora, self.recipe)
+                await self._rpc("stage_lora", BASE_LORA_ID, tensors, peft_config)
 
     async def _rpc(self, method: str, *args):
         """One of our worker methods (worker.py) in the stage that holds the DiT; its answer, or WorkerError."""
@@ -219,6 +234,9 @@ class VllmOmniEngine:
         if self.recipe.lora_delivery == "vllm_manager" and version > 0 and not self.merge_lora:
             # the id is the version: staged in memory by the worker extension, never read from disk
             lora = {"lora_request": LoRARequest(f"flowgrpo-v{version}", version, f"/in-memory/flowgrpo/v{version}"),
+                    "lora_scale": 1.0}
+        elif version == 0 and self._base_lora is not None:  # the base model through the zero adapter
+            lora = {"lora_request": LoRARequest("flowgrpo-base", BASE_LORA_ID, "/in-memory/flowgrpo/base"),
                     "lora_scale": 1.0}
         return OmniDiffusionSamplingParams(
             height=request.height, width=request.width,

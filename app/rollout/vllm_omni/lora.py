@@ -10,6 +10,10 @@ vllm's LoRA manager without a file.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
 from app.models.lora import PEFT_PREFIX, transformer_key
 from app.types import LoraAdapter
 
@@ -40,6 +44,37 @@ def to_pipeline_hooks(adapter: LoraAdapter, recipe) -> tuple[dict, dict]:
     split_adapter(adapter)
     tensors = {transformer_key(k): v.detach().contiguous() for k, v in adapter.tensors.items()}
     return tensors, {"r": adapter.rank, "lora_alpha": adapter.alpha, "target_modules": list(adapter.target_modules)}
+
+
+# the id under which a compiled engine stages its zero adapter, served for version 0 (the base model): far above
+# any published version, and never evicted by newer ones (worker.py `stage_lora`)
+BASE_LORA_ID = 2**31 - 1
+
+
+def zero_lora(checkpoint, *, rank: int, alpha: float, target_modules, dtype: torch.dtype) -> LoraAdapter | None:
+    """An adapter whose every B is zero (the base model's outputs, through vLLM's LoRA layers) on the layers of
+    `checkpoint` (a diffusers pipeline folder) that a LoRA on `target_modules` adapts: the layers, their shapes and
+    the rank of every adapter the run will publish (None: the checkpoint has no such layer).
+
+    A compiled engine serves version 0 with it. vLLM installs its LoRA layers in the transformer at the first
+    adapter it serves: served the base model without one, the blocks compiled at step 1 are guarded on the plain
+    layers (`___check_type_id(self._modules['attention']._modules['to_out']._modules['0'], ...)`,
+    `RowParallelLinear`), and the first adapter published compiled every block again at step 2."""
+    from app.rollout.vllm_omni.merge import checkpoint_layers, checkpoint_shapes
+
+    folder = Path(checkpoint) / "transformer"
+    layers = checkpoint_layers(folder, list(target_modules))
+    shapes = checkpoint_shapes(folder, [f"{n}.weight" for n in layers])
+    tensors = {}
+    for name in layers:
+        shape = shapes[f"{name}.weight"]
+        if len(shape) != 2:  # peft adapts linear layers
+            continue
+        tensors[f"{name}.lora_A.weight"] = torch.zeros(rank, shape[1], dtype=dtype)
+        tensors[f"{name}.lora_B.weight"] = torch.zeros(shape[0], rank, dtype=dtype)
+    if not tensors:
+        return None
+    return LoraAdapter(tensors, rank=rank, alpha=alpha, target_modules=sorted(target_modules), version=BASE_LORA_ID)
 
 
 # how a family's adapter reaches its pipeline (`VllmOmniRecipe.lora_delivery`) → its staged form

@@ -45,6 +45,21 @@ def checkpoint_layers(folder: str | Path, target_modules) -> list[str]:
     return [n for n in names if targeted(n, target_modules)]
 
 
+def checkpoint_shapes(folder: str | Path, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors `names` of a diffusers model folder, read from the files' headers (no data)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    where = _weight_map(folder)
+    out = {}
+    for file in sorted({where[n] for n in names}):
+        with safe_open(folder / file, "pt") as f:
+            for n in names:
+                if where[n] == file:
+                    out[n] = tuple(f.get_slice(n).get_shape())
+    return out
+
+
 def read_checkpoint_tensors(folder: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
     """The tensors `names` of a diffusers model folder (one safetensors file, or shards with their index), on the
     CPU as stored; a KeyError names the first one it does not hold."""

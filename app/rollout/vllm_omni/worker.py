@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
 
+from app.rollout.vllm_omni.lora import BASE_LORA_ID
 from app.rollout.vllm_omni.merge import CheckpointMerge
 
 STAGED_VERSIONS_KEPT = 2  # a request already scheduled with the previous adapter can still (re)load it
@@ -50,8 +51,9 @@ class FlowGRPOWorkerExtension(CustomPipelineWorkerExtension):
             staged = pipe._staged_loras = {}
         staged.pop(lora_int_id, None)  # re-staged: now the newest
         staged[lora_int_id] = ({k: v.to("cpu") for k, v in tensors.items()}, dict(peft_config))
-        # evict the oldest staged, not the lowest id: after a reset to the base model, versions start again at 1
-        for old in list(staged)[:-STAGED_VERSIONS_KEPT]:
+        # evict the oldest staged, not the lowest id: after a reset to the base model, versions start again at 1;
+        # the zero adapter a compiled engine serves for the base model stays
+        for old in [i for i in staged if i != BASE_LORA_ID][:-STAGED_VERSIONS_KEPT]:
             del staged[old]
             if self.lora_manager is not None:
                 self.lora_manager.remove_adapter(old)
@@ -98,3 +100,10 @@ class FlowGRPOWorkerExtension(CustomPipelineWorkerExtension):
         """Sum of the transformer's parameters in float64 (tests: a weight update took effect)."""
         return float(sum(p.double().sum().item() for n, p in self._pipeline.named_parameters()
                          if n.startswith("transformer.")))
+
+    def lora_state(self) -> dict[str, Any]:
+        """The staged adapters' ids, oldest first, and the id vLLM's LoRA layers serve now (None: no LoRA layers or
+        none active; read from vllm-omni's manager). Tests: which adapter a group went through."""
+        manager = self.lora_manager
+        return {"staged": list(getattr(self._pipeline, "_staged_loras", {})),
+                "active": None if manager is None else manager._active_adapter_id}
