@@ -159,13 +159,13 @@ class VllmOmniEngine:
                 # fp32 model (the tiny checkpoints, parity runs) attends through torch's SDPA, which takes fp32
                 self.engine_kwargs.setdefault("diffusion_attention_config", FP32_ATTENTION)
         self.compiled = enabled and torch.cuda.is_available()
-        # the zero adapter staged for version 0 (BASE_LORA_ID; None: version 0 runs without vLLM's LoRA layers)
-        self._base_lora = None
+        # (rank, alpha) of the zero adapter staged at start for version 0 under BASE_LORA_ID (None: version 0 runs
+        # without vLLM's LoRA layers); built and staged in start(), where the worker keeps it
+        self._zero_base = None
         zero_adapter_for_base = self.compiled if zero_adapter_for_base is None else zero_adapter_for_base
         if (zero_adapter_for_base and lora_rank > 0 and self.lora_targets and not merge_lora and not thinker_stage
                 and self.recipe.lora_delivery == "vllm_manager"):
-            self._base_lora = zero_lora(self.model_path, rank=lora_rank, alpha=lora_alpha or lora_rank,
-                                        target_modules=self.lora_targets, dtype=getattr(torch, str(self.dtype)))
+            self._zero_base = (lora_rank, lora_alpha or lora_rank)
         self._omni = None
         self._start_lock = asyncio.Lock()
         self._lora_version = 0
@@ -214,9 +214,15 @@ class VllmOmniEngine:
                                    **kwargs, **self.engine_kwargs)
             if self.merge_lora and self.lora_targets:
                 await self._rpc("keep_lora_base", list(self.lora_targets))
-            if self._base_lora is not None:  # served for version 0 (see __init__)
-                tensors, peft_config = LORA_DELIVERIES[self.recipe.lora_delivery](self._base_lora, self.recipe)
-                await self._rpc("stage_lora", BASE_LORA_ID, tensors, peft_config)
+            if self._zero_base is not None:  # served for version 0 (see __init__)
+                rank, alpha = self._zero_base
+                zero = zero_lora(self.model_path, rank=rank, alpha=alpha, target_modules=self.lora_targets,
+                                 dtype=getattr(torch, str(self.dtype)))
+                if zero is None:  # no layer of the checkpoint is a target: nothing to hold the graphs to
+                    self._zero_base = None
+                else:
+                    tensors, peft_config = LORA_DELIVERIES[self.recipe.lora_delivery](zero, self.recipe)
+                    await self._rpc("stage_lora", BASE_LORA_ID, tensors, peft_config)
 
     async def _rpc(self, method: str, *args):
         """One of our worker methods (worker.py) in the stage that holds the DiT; its answer, or WorkerError."""
@@ -235,7 +241,7 @@ class VllmOmniEngine:
             # the id is the version: staged in memory by the worker extension, never read from disk
             lora = {"lora_request": LoRARequest(f"flowgrpo-v{version}", version, f"/in-memory/flowgrpo/v{version}"),
                     "lora_scale": 1.0}
-        elif version == 0 and self._base_lora is not None:  # the base model through the zero adapter
+        elif version == 0 and self._zero_base is not None:  # the base model through the zero adapter
             lora = {"lora_request": LoRARequest("flowgrpo-base", BASE_LORA_ID, "/in-memory/flowgrpo/base"),
                     "lora_scale": 1.0}
         return OmniDiffusionSamplingParams(
