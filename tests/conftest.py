@@ -19,6 +19,11 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)  # 2-core CI machines: oversubscription makes tiny models 40x slower
+    # pytest-xdist (3.6+) hands out the groups of `--dist loadgroup` largest first by their number of tests, which
+    # left the one-test learning modules (minutes each) to the end, one worker running them while the other idled;
+    # the groups go in the order pytest_collection_modifyitems gives them instead
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        config.option.loadscopereorder = False
 
 
 RAY_FIXTURES = {"ray_cluster", "job_cluster"}
@@ -40,7 +45,8 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group markers into the test ids
 def pytest_collection_modifyitems(config, items):
     """`jobs` tests run first: each starts its own Ray cluster, and the session's cluster and engines (started by
-    later tests, kept to the end) would otherwise idle next to them on the same cores. GPU tests are deselected
+    later tests, kept to the end) would otherwise idle next to them on the same cores; then the other Ray tests,
+    then the modules that hold slow tests, the quick ones last. GPU tests are deselected
     on machines without CUDA (reported as deselected, never as passed or skipped); on a machine with CUDA the
     engines' tests (`engine`) count as GPU tests too, so `-m gpu` runs them there on CUDA.
 
@@ -49,7 +55,12 @@ def pytest_collection_modifyitems(config, items):
     at a time (a module's fixtures built once): the in-process tests, one thread each, use the second core."""
     import torch
 
-    items.sort(key=lambda item: item.get_closest_marker("jobs") is None)  # stable: file order otherwise
+    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    # stable: file order within each kind. The Ray group first (its job runs first of all), then the modules with
+    # slow tests (learning runs, compilations: minutes each), the quick modules last, so that the workers end
+    # together instead of one running a long module while the other idles
+    items.sort(key=lambda item: (item.get_closest_marker("jobs") is None, not _uses_ray(item),
+                                 item.nodeid.split("::")[0] not in slow_modules))
     for item in items:
         item.add_marker(pytest.mark.xdist_group("ray" if _uses_ray(item) else item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
