@@ -34,6 +34,10 @@ def _uses_ray(item) -> bool:
         item.get_closest_marker(m) for m in ("jobs", "ray"))
 
 
+def _module(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
 def pytest_runtest_setup(item):
     """An xdist worker that runs an in-process test lowers its priority for good (nice 19): the Ray tests' clusters
     on the other worker need both cores at their start, and the in-process tests take what they leave. The worker
@@ -55,14 +59,14 @@ def pytest_collection_modifyitems(config, items):
     at a time (a module's fixtures built once): the in-process tests, one thread each, use the second core."""
     import torch
 
-    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    slow_modules = {_module(item) for item in items if item.get_closest_marker("slow")}
     # stable: file order within each kind. The Ray group first (its job runs first of all), then the modules with
     # slow tests (learning runs, compilations: minutes each), the quick modules last, so that the workers end
     # together instead of one running a long module while the other idles
     items.sort(key=lambda item: (item.get_closest_marker("jobs") is None, not _uses_ray(item),
-                                 item.nodeid.split("::")[0] not in slow_modules))
+                                 _module(item) not in slow_modules))
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("ray" if _uses_ray(item) else item.nodeid.split("::")[0]))
+        item.add_marker(pytest.mark.xdist_group("ray" if _uses_ray(item) else _module(item)))
     if torch.cuda.is_available():
         for item in items:  # the engines' tests run on CUDA here: part of a GPU run (`-m gpu`)
             if item.get_closest_marker("engine"):
