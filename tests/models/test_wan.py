@@ -85,6 +85,21 @@ def test_the_velocity_is_wan_s_cfg_whatever_the_timestep_s_form(pipe, scale, exp
     assert torch.allclose(v, expected, atol=1e-5)
 
 
+def test_a_denoiser_loaded_in_bf16_rescores_a_trajectory_in_bf16(tiny_wan_dir):
+    """diffusers keeps Wan's norms, time embedder and scale_shift_table (its first parameter) in fp32: the recompute
+    computes in the model's dtype, not its first parameter's (a real-size bench once fed fp32 latents to its bf16
+    patch embedding)."""
+    family = get_family("wan")
+    denoiser = family.load_denoiser(tiny_wan_dir, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert next(denoiser.parameters()).dtype == torch.float32 and denoiser.dtype == torch.bfloat16
+    request = GenerationRequest("a cat", n=2, num_frames=5, guidance_scale=4.0, negative_prompt=" ", **FIELDS)
+    traj = family.shaped_trajectory(tiny_wan_dir, request, family.denoiser_config(tiny_wan_dir),
+                                    torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        (out,) = family.score_trajectory(denoiser, traj, [0], [0, 1])
+    assert out.log_prob.shape == (2,) and out.log_prob.isfinite().all()
+
+
 def test_frame_counts_a_video_family_requires_and_an_image_family_refuses():
     video = GenerationRequest("a cat", num_frames=33, **FIELDS)
     image = GenerationRequest("a cat", **FIELDS)

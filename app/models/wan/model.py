@@ -148,8 +148,9 @@ def score_trajectory(transformer, traj: Trajectory, steps: Sequence[int], sample
     """Re-score the stored transitions x_{steps[k]} → x_{steps[k]+1} of a trajectory under `transformer`
     (`app.algo.sampling.score_steps`); differentiable when the transformer requires grad. The latents are fed in
     fp32, as the rollout kept them, and cast to the transformer's dtype inside `velocity`."""
-    param = next(transformer.parameters())
-    device, dtype = param.device, dtype or param.dtype
+    # diffusers' dtype, not the first parameter's: Wan keeps its norms, time embedder and scale_shift_table (its first
+    # parameter) in fp32, and a bf16 patch embedding then met fp32 latents
+    device, dtype = next(transformer.parameters()).device, dtype or transformer.dtype
     idx = list(range(traj.group_size)) if samples is None else list(samples)
     v = group_velocity(transformer, traj.timesteps, traj.prompt_embeds, traj.negative_prompt_embeds, batch=len(idx),
                        guidance_scale=traj.guidance_scale,
