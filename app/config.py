@@ -132,7 +132,8 @@ class ModelConfig:
     lora_target_modules: list[str] | None = None
     compile: CompileConfig = field(default_factory=CompileConfig)
     # the kernels torch's scaled_dot_product_attention may choose among in the trainer and the in-process engines
-    # (cudnn, flash, efficient, math; app/models/attention.py); null: torch's own choice (cuDNN first on Hopper).
+    # (cudnn, flash, efficient, math; app/models/attention.py); null: torch's own choice (cuDNN first on Hopper), less
+    # cuDNN in a trainer on a GPU (its backward: docs/gpus.md).
     # Strict: a list none of whose kernels takes the inputs (cudnn on a CPU, flash with a mask) fails with torch's
     # "No viable backend" at the first forward; add math as the fallback. vllm-omni's workers pick their own
     attention_kernels: list[str] | None = None

@@ -112,6 +112,19 @@ def backward_problem(kernel: str, device: str) -> str | None:
             f"{BACKWARD_TOLERANCE:g}) at {where} when they arrive in diffusers' [B, S, H, D] layout")
 
 
+def trainer_kernels(kernels: Sequence[str] | None, device: torch.device) -> list[str] | None:
+    """The kernels a trainer allows (`model.attention_kernels`): as listed, or, when none are listed, torch's less
+    cuDNN's on a CUDA device. Its backward gave gradients 1.4 off in diffusers' layout (torch 2.11 and 2.13 on H200s)
+    and faulted FLUX.1's real-size trainer twice (illegal memory access; lease 8's check at 1152 tokens passed and the
+    trainer still faulted): flash and memory-efficient attention are right there and as fast. Listing cudnn keeps it,
+    under the check (`check_backward_in_background`)."""
+    if kernels is not None:
+        return list(kernels)
+    if device.type != "cuda":
+        return None
+    return [k for k in sdpa_kernels() if k != "cudnn"]
+
+
 def check_backward_in_background(device: torch.device) -> Callable[[], str | None]:
     """`leave_out_broken_backward` in two halves, so that its few seconds pass beside the caller's own work (a
     trainer's model load): the measurement starts now, in a thread; the returned call waits for it, applies it and

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from app.algo.sde import SDEStepOutput
-from app.models.attention import check_backward_in_background, use_sdpa_kernels
+from app.models.attention import check_backward_in_background, trainer_kernels, use_sdpa_kernels
 from app.models.family import ModelFamily, get_family
 from app.models.lora import ADAPTER_NAME, transformer_key
 from app.train.gather import to_host
@@ -69,10 +69,11 @@ class Policy:
         keeps for the backward (`train.activation_memory_budget`; None: torch's default). shard_frozen: FSDP2 manages
         the frozen base weights too (None: only with several ranks; `_fully_shard`). reshard_after_forward: FSDP2's,
         for every unit (`train.reshard_after_forward`). attention_kernels: the kernels torch's attention may choose
-        among in this process (`model.attention_kernels`; None: torch's), less cuDNN's where its backward is wrong
-        on this GPU (`check_backward_in_background`, measured while the model loads)."""
+        among in this process (`model.attention_kernels`; None: torch's less cuDNN's on a GPU, `trainer_kernels`),
+        less cuDNN's where it is listed and its backward is wrong on this GPU (`check_backward_in_background`,
+        measured while the model loads)."""
         device = torch.device(device)
-        use_sdpa_kernels(attention_kernels)
+        use_sdpa_kernels(trainer_kernels(attention_kernels, device))
         backward_checked = check_backward_in_background(device)  # beside the load: its seconds cost nothing
         transformer = get_family(family).load_denoiser(model_path, dtype=dtype, device=device)
         policy = cls.with_lora(transformer, lora_rank=lora_rank, lora_alpha=lora_alpha,

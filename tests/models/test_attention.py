@@ -146,6 +146,15 @@ def test_a_trainer_leaves_out_cudnn_only_where_its_backward_is_wrong(monkeypatch
     assert attention.leave_out_broken_backward(torch.device("cpu")) is None
 
 
+def test_a_trainer_on_a_gpu_leaves_cudnn_out_unless_its_config_lists_it():
+    from app.models.attention import trainer_kernels
+
+    use_sdpa_kernels(SDPA_KERNELS)
+    assert trainer_kernels(None, torch.device("cuda", 0)) == ["flash", "efficient", "math"]
+    assert trainer_kernels(None, torch.device("cpu")) is None  # torch's own choice: no cuDNN on a CPU
+    assert trainer_kernels(["cudnn", "math"], torch.device("cuda", 0)) == ["cudnn", "math"]  # listed: kept, checked
+
+
 def test_the_backward_check_measures_beside_the_callers_work_and_applies_when_asked(monkeypatch):
     """A trainer starts the check before its model loads and applies it before its blocks compile."""
     import threading
@@ -204,11 +213,12 @@ def test_every_kernel_a_trainer_keeps_has_the_right_backward_on_this_gpu():
         GPU_CHECK_SHAPES,
         _kernel,
         backward_errors,
-        leave_out_broken_backward,
+        backward_problem,
+        trainer_kernels,
     )
 
-    problem = leave_out_broken_backward(torch.device("cuda", 0))
-    print("cuDNN's backward:", problem or "right")
+    print("cuDNN's backward at GPU_CHECK_SHAPES:", backward_problem("cudnn", "cuda:0") or "right")  # a diagnosis
+    use_sdpa_kernels(trainer_kernels(None, torch.device("cuda", 0)))
     for kernel in sdpa_kernels():
         for batch, seq, heads in GPU_CHECK_SHAPES:
             for head_dim in (64, 128):
