@@ -168,3 +168,22 @@ def test_jobs_evaluate_on_a_checkpoint_equals_the_evaluation_during_training(tin
 
     assert per_image(out / "checkpoint_step_000008.jsonl") == per_image(tiny_run / "eval" / "step_000008.jsonl")
     assert (out / "grid_checkpoint_step_000008.png").is_file()
+
+
+def test_a_line_printed_on_either_node_of_the_job_cluster_reaches_the_driver_once(job_cluster):
+    """One log monitor for the host (Ray's rule: both nodes write to the head's session folder, which it reads
+    whole): a worker's line on the trainer node reaches a driver joining the cluster, and only once."""
+    from job_runs import ROLLOUT_NODE, TRAINER_NODE
+
+    code = ("import ray, time\n"
+            f"ray.init(address={job_cluster.address!r})\n"
+            "@ray.remote(num_cpus=0)\n"
+            "def say(node):\n    print(f'hello from the {node} node', flush=True)\n"
+            f"ray.get([say.options(resources={{{ROLLOUT_NODE!r}: 1}}).remote('rollout'),"
+            f" say.options(resources={{{TRAINER_NODE!r}: 1}}).remote('trainer')])\n"
+            "time.sleep(3)  # the log monitor's lines arrive after the results\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert output.count("hello from the rollout node") == 1, output[-3000:]
+    assert output.count("hello from the trainer node") == 1, output[-3000:]
