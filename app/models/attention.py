@@ -116,8 +116,8 @@ def trainer_kernels(kernels: Sequence[str] | None, device: torch.device) -> list
     """The kernels a trainer allows (`model.attention_kernels`): as listed, or, when none are listed, torch's less
     cuDNN's on a CUDA device. Its backward gave gradients 1.4 off in diffusers' layout (torch 2.11 and 2.13 on H200s)
     and faulted FLUX.1's real-size trainer twice (illegal memory access; lease 8's check at 1152 tokens passed and the
-    trainer still faulted): flash and memory-efficient attention are right there and as fast. Listing cudnn keeps it,
-    under the check (`check_backward_in_background`)."""
+    trainer still faulted): flash and memory-efficient attention are right at every shape measured. Listing cudnn
+    keeps it, under the check (`check_backward_in_background`)."""
     if kernels is not None:
         return list(kernels)
     if device.type != "cuda":
