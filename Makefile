@@ -5,6 +5,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v p
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# uv installs the same set of packages as pip (the same resolution, checked with `uv pip freeze`) in 30 s where pip
+# took 9.5 min on a 2-core machine (one wheel at a time, then every module's bytecode: uv leaves that to the first
+# import). pip's find-links (PIP_FIND_LINKS: a machine's local wheels, its CPU torch among them) carry over.
+UV     := $(shell command -v uv)
 
 .PHONY: setup lint test test-fast train tiny-models clean-venv
 
@@ -12,9 +16,9 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml app/platform/cpu_torch_shim.py
 	@test -x $(PY) || { echo "setup: creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
-	@echo "setup: installing ray-flowgrpo (editable, with the dev extra) into $(VENV)"
-	$(PY) -m pip install --quiet --upgrade "pip>=24,<27"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	@echo "setup: installing ray-flowgrpo (editable, with the dev extra) into $(VENV) with uv"
+	@test -n "$(UV)" || $(PY) -m pip install --quiet "uv>=0.9,<1"
+	$(or $(UV),$(VENV)/bin/uv) pip install --python $(PY) --quiet $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) -e ".[dev]"
 	@echo "setup: torchvision/torchaudio import shim (only installed on CPU-only torch)"
 	$(PY) -m app.platform.install_cpu_shim
 	@touch $(STAMP)

@@ -166,6 +166,7 @@ async def bench(config, groups: int, repeats: int, batched_only: bool = False, a
         "bench": "rollout", "engine": engine.kind, "device": "cuda" if torch.cuda.is_available() else "cpu",
         "torch_threads": torch.get_num_threads(), "group_size": ro.group_size, "groups": groups,
         "size": f"{ro.width}x{ro.height}", "steps": ro.num_inference_steps, "cfg": ro.guidance_scale,
+        **({"frames": ro.num_frames} if ro.num_frames else {}),  # videos: the row's cost depends on them
         "dtype": str(config.model.dtype), "compiled": engine.compiled,
         "compile_mode": str(config.model.compile.mode) if engine.compiled else None,
         "real_rope": bool(config.model.compile.real_rope) if engine.compiled else False,
