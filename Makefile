@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml app/platform/cpu_torch_shim.py
 	@test -x $(PY) || { echo "setup: creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@echo "setup: installing ray-flowgrpo (editable, with the dev extra) into $(VENV) with uv"
 	@test -n "$(UV)" || $(PY) -m pip install --quiet "uv>=0.9,<1"
-	$(or $(UV),$(VENV)/bin/uv) pip install --python $(PY) --quiet $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) -e ".[dev]"
+	$(or $(UV),$(VENV)/bin/uv) pip install --python $(PY) --quiet --compile-bytecode $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) -e ".[dev]"
 	@echo "setup: torchvision/torchaudio import shim (only installed on CPU-only torch)"
 	$(PY) -m app.platform.install_cpu_shim
 	@touch $(STAMP)

@@ -162,16 +162,14 @@ def score_trajectory(transformer, traj: Trajectory, steps: Sequence[int], sample
 
 def decode_videos(vae, latents: torch.Tensor) -> torch.Tensor:
     """Final latents [n, C, F', h, w] → uint8 frames [n, F, H, W, 3] (un-normalised, VAE-decoded, rounded), as the
-    pipeline decodes them; one video at a time (Wan's causal decoder caches per video)."""
+    pipeline decodes them: the group in one batch (Wan's causal decoder keeps its frame cache per batch; a video at
+    a time took 1.8-2.4x as long on the CPU, three quarters of a tiny Wan step)."""
     cfg = vae.config
     mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, vae.dtype)
     inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, vae.dtype)
-    videos = []
-    for z in latents.to(vae.dtype).split(1):
-        video = vae.decode(z / inv_std + mean, return_dict=False)[0]  # [1, 3, F, H, W] in [-1, 1]
-        video = (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
-        videos.append(torch.from_numpy((video * 255).round().astype("uint8")))
-    return torch.cat(videos)
+    videos = vae.decode(latents.to(vae.dtype) / inv_std + mean, return_dict=False)[0]  # [n, 3, F, H, W] in [-1, 1]
+    videos = (videos / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
+    return torch.from_numpy((videos * 255).round().astype("uint8"))
 
 
 def shaped_trajectory(path, request: GenerationRequest, config, generator: torch.Generator) -> Trajectory:
