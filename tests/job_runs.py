@@ -123,6 +123,13 @@ class JobCluster:
                 log.close()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
+    def served_url(self) -> str:
+        """The HTTP address of the Serve application the last job left running (`--keep-serving`): a test asks it
+        what a user of `serve run` asks, without deploying the family's models a second time."""
+        from deployments.builders import APP_NAME
+
+        return f"http://127.0.0.1:{self.serve_port}/{APP_NAME}"
+
 
 def job_command(*args: str, config: str = "configs/tiny_cpu.yaml", cluster: JobCluster | None = None) -> list[str]:
     where = ([f"cluster.address={cluster.address}", f"cluster.serve_port={cluster.serve_port}"] if cluster
