@@ -13,13 +13,25 @@ worker group before its first step.)
 
 It is also the two-node run: the job cluster has two nodes (`job_runs.JobCluster`), and the run keeps its replica
 on one (`rollout.replica_resources`) and its FSDP2 ranks on the other (`cluster.worker_resources`), so the adapter's
-way to the replicas, the checkpoints, the run folder and the evaluations cross nodes as on a real cluster."""
+way to the replicas, the checkpoints, the run folder and the evaluations cross nodes as on a real cluster.
 
+The Serve application the run leaves running (`--keep-serving`) then answers HTTP as under `serve run`: generation
+with CFG returns the group and its trajectory (SD3's conditioning included) and reproduces it from the seed; an edit
+is refused with what serves edits; a prompt over T5's limit is a 400 naming it."""
+
+import base64
+import io
 import json
 import math
 
+import numpy as np
 import pytest
+import requests
 from job_runs import TWO_NODES, eval_lines, history, run_job
+from PIL import Image
+from served_api import generate
+
+from app.models.sd3 import model as sd3
 
 pytestmark = [pytest.mark.slow, pytest.mark.jobs]
 STEPS = 8  # two checkpoints (every 4 steps; the latest kept), evaluations before the first step and after the last
@@ -31,9 +43,8 @@ def sd3_run(tmp_path_factory, job_cluster):
     # one replica of each (the Qwen-Image jobs exercise two): half the start-up CPU on 2 cores
     done = run_job(f"logging.dir={run_dir}", f"train.num_steps={STEPS}", "rollout.num_replicas=1",
                    "reward.num_replicas=1", "train.max_staleness=1", "rollout.sde_window.size=2",
-                   "rollout.sde_window.range=[0,3]", "train.checkpoints_to_keep=1", *TWO_NODES,
-                   config="configs/tiny_sd3_cpu.yaml",
-                   cluster=job_cluster)
+                   "rollout.sde_window.range=[0,3]", "train.checkpoints_to_keep=1", *TWO_NODES, "--keep-serving",
+                   config="configs/tiny_sd3_cpu.yaml", cluster=job_cluster)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "training of sd3" in done.stdout
     assert f"cluster:     {job_cluster.address} (2 nodes)" in done.stdout
@@ -83,3 +94,39 @@ def test_tiny_sd3_run_saves_a_diffusers_lora_and_evaluates(sd3_run, tiny_sd3_dir
     assert sorted(evaluations) == [0, 8]
     assert evaluations[0]["sentinel/distance_to_base"] == 0.0 and evaluations[8]["sentinel/distance_to_base"] > 0
     assert all(e["eval/images"] == 8 and math.isfinite(e["eval/reward/mean"]) for e in evaluations.values())
+
+
+def test_the_run_s_application_generates_with_cfg_over_http_with_the_trajectory(sd3_run, job_cluster):
+    from safetensors.torch import load
+
+    served = job_cluster.served_url()  # the run's replica, serving its last adapter
+    response = generate(served, n=2, seed=5, num_inference_steps=3, guidance=4.5, negative_prompt="",
+                        return_trajectory=True)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    images = [np.asarray(Image.open(io.BytesIO(base64.b64decode(d["b64_json"])))) for d in body["data"]]
+    assert [im.shape for im in images] == [(64, 64, 3)] * 2 and not np.array_equal(images[0], images[1])
+    raw = base64.b64decode(body["trajectory"]["b64"])
+    tensors = load(raw)
+    text = 77 + sd3.T5_MAX_LENGTH
+    assert tensors["latents"].shape == (2, 4, 16, 8, 8) and tensors["log_probs"].shape == (2, 3)
+    assert tensors["prompt_embeds"].shape == tensors["negative_prompt_embeds"].shape == (text, 32)
+    assert tensors[f"conditioning.{sd3.POOLED}"].shape == tensors[f"conditioning.{sd3.NEGATIVE_POOLED}"].shape == (32,)
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])  # safetensors: length, then JSON
+    assert header["__metadata__"]["family"] == "sd3"
+    again = generate(served, n=2, seed=5, num_inference_steps=3, guidance=4.5, negative_prompt="").json()
+    assert [d["b64_json"] for d in again["data"]] == [d["b64_json"] for d in body["data"]]
+
+
+def test_the_run_s_application_refuses_an_edit_and_a_prompt_over_t5_s_limit(sd3_run, job_cluster):
+    served = job_cluster.served_url()
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((64, 64, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    response = requests.post(f"{served}/v1/images/edits", data={"prompt": "make it blue"},
+                             files={"image": ("a.png", buffer.getvalue(), "image/png")}, timeout=60)
+    assert response.status_code == 400 and "model.family=bagel" in response.json()["error"]["message"]
+    response = generate(served, prompt="a sign that says OPEN " * 60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and f"the limit is {sd3.T5_MAX_LENGTH}" in error["message"], error
+    assert generate(served, n=2).status_code == 200  # the replica goes on serving
