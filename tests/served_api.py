@@ -1,4 +1,5 @@
-"""What the family Serve tests (tests/deployments/test_serve_<family>.py) ask the HTTP API the same way."""
+"""What the family HTTP tests (on the applications the jobs leave serving, tests/test_train_job_<family>.py) ask the
+HTTP API the same way."""
 
 import json
 

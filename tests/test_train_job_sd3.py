@@ -29,7 +29,7 @@ import pytest
 import requests
 from job_runs import TWO_NODES, eval_lines, history, run_job
 from PIL import Image
-from served_api import generate
+from served_api import generate, trajectory_metadata
 
 from app.models.sd3 import model as sd3
 
@@ -112,8 +112,7 @@ def test_the_run_s_application_generates_with_cfg_over_http_with_the_trajectory(
     assert tensors["latents"].shape == (2, 4, 16, 8, 8) and tensors["log_probs"].shape == (2, 3)
     assert tensors["prompt_embeds"].shape == tensors["negative_prompt_embeds"].shape == (text, 32)
     assert tensors[f"conditioning.{sd3.POOLED}"].shape == tensors[f"conditioning.{sd3.NEGATIVE_POOLED}"].shape == (32,)
-    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])  # safetensors: length, then JSON
-    assert header["__metadata__"]["family"] == "sd3"
+    assert trajectory_metadata(raw)["family"] == "sd3"
     again = generate(served, n=2, seed=5, num_inference_steps=3, guidance=4.5, negative_prompt="").json()
     assert [d["b64_json"] for d in again["data"]] == [d["b64_json"] for d in body["data"]]
 

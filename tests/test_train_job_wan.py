@@ -89,7 +89,6 @@ def test_the_run_s_application_returns_a_group_of_videos_with_its_trajectory_rep
     from safetensors.torch import load
 
     served = job_cluster.served_url()  # the run's replica, serving its last adapter
-
     response = videos(served, n=2, seed=5, num_frames=5, num_inference_steps=3, return_trajectory=True, guidance=3.0,
                       negative_prompt=" ")
     assert response.status_code == 200, response.text
@@ -101,6 +100,7 @@ def test_the_run_s_application_returns_a_group_of_videos_with_its_trajectory_rep
     assert tensors["latents"].shape == (2, 4, 16, 2, 8, 8) and tensors["log_probs"].shape == (2, 3)
     meta = trajectory_metadata(raw)
     assert (meta["family"], meta["num_frames"], meta["guidance_scale"]) == ("wan", "5", "3.0")
+
     def latents(seed):  # the same seed, the same group (its mp4s are lossy: x264 may spend its bits otherwise)
         again = videos(served, n=2, seed=seed, num_frames=5, num_inference_steps=3, return_trajectory=True,
                        guidance=3.0, negative_prompt=" ")

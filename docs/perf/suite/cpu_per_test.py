@@ -21,7 +21,7 @@ import pytest
 ROOT = Path("/sys/fs/cgroup/cpuacct/suite")
 OUT = Path(os.environ.get("CPU_PER_TEST", "/tmp/cpu_per_test"))
 GROUP = ROOT / os.environ.get("PYTEST_XDIST_WORKER", "main")
-_lines = []  # this worker's records, written as each test ends
+RECORDS = OUT / f"cpu_{GROUP.name}.jsonl"  # this worker's, a line as each test ends
 
 
 def _usage() -> float:
@@ -32,7 +32,6 @@ def pytest_configure(config):
     GROUP.mkdir(parents=True, exist_ok=True)
     (GROUP / "cgroup.procs").write_text(str(os.getpid()))
     OUT.mkdir(parents=True, exist_ok=True)
-    _lines.append(OUT / f"cpu_{GROUP.name}.jsonl")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -40,7 +39,7 @@ def pytest_runtest_protocol(item, nextitem):
     cpu, wall = _usage(), time.time()
     yield
     record = {"id": item.nodeid, "cpu": round(_usage() - cpu, 2), "wall": round(time.time() - wall, 2)}
-    with _lines[0].open("a") as f:
+    with RECORDS.open("a") as f:
         f.write(json.dumps(record) + "\n")
 
 
