@@ -75,7 +75,7 @@ class OldLogprob(StrEnum):
 MergedBaseOn = _choices("MergedBaseOn", ("device", "host", "auto"))
 # torch.compile's modes (None: its default); "reduce-overhead" adds CUDA graphs
 CompileMode = _choices("CompileMode", ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
-CompileGuards = _choices("CompileGuards", ("full", "lean"))
+CompileGuards = _choices("CompileGuards", ("full", "lean", "skip"))
 
 
 class LogLevel(StrEnum):
@@ -110,7 +110,10 @@ class CompileConfig:
     real_rope: bool = True
     # the trainer's compiled blocks: `full` checks every guard dynamo made at each call of each block; `lean` drops
     # those on module attributes a trainer never changes after its first step (hooks, types, constants), keeping
-    # the adapter's switches, tensors, grad mode and shapes (app/models/compile.py `lean_guards`). Engines: full
+    # the adapter's switches, tensors, grad mode and shapes (app/models/compile.py `lean_guards`); `skip`: lean for
+    # the first step, then only the guards that tell a block's graphs apart (the adapter on or off, grad mode:
+    # torch's skip_guard_eval_unsafe), since every later step calls the blocks as the first did. Unsafe where a
+    # later step would need a graph the first did not make: the first pass's |ratio - 1| says so. Engines: full
     guards: CompileGuards = CompileGuards.full
 
 

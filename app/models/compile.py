@@ -150,8 +150,8 @@ def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: st
                    checkpoint: bool = False, guards: str = "full") -> int:
     """Compile each block's forward in place (lazily: the first call compiles), with gradient checkpointing inside
     the compiled region when `checkpoint`; returns how many blocks. Every block runs one compiled function (the
-    block is its argument), so identical blocks share its graphs. guards: `full` (dynamo's) or `lean`
-    (`lean_guards`: fewer checked on every call of every block)."""
+    block is its argument), so identical blocks share its graphs. guards: `full` (dynamo's), `lean`
+    (`lean_guards`: fewer checked on every call of every block) or `skip` (lean until `skip_guard_evaluation`)."""
     import types
 
     import torch
@@ -162,9 +162,9 @@ def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: st
     # later pass that then restarts the whole analysis, so every first compilation ran twice (half a cold start)
     torch._dynamo.config.specialize_float = True
     mode = None if mode in (None, "default") else str(mode)
-    if guards not in ("full", "lean"):
-        raise ValueError(f"guards={guards!r}: full or lean")
-    options = {"guard_filter_fn": lean_guards} if guards == "lean" else None
+    if guards not in ("full", "lean", "skip"):
+        raise ValueError(f"guards={guards!r}: full, lean or skip")
+    options = {"guard_filter_fn": lean_guards} if guards in ("lean", "skip") else None
     compiled = torch.compile(_checkpointed_forward if checkpoint else _forward, backend=str(backend), mode=mode,
                              dynamic=True, options=options)
     count = 0
@@ -175,6 +175,21 @@ def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: st
         block._flowgrpo_compiled = True
         count += 1
     return count
+
+
+def skip_guard_evaluation(settings: Any) -> bool:
+    """`model.compile.guards: skip`, once a trainer's first step has made every graph its blocks need: from now on
+    this process checks only the guards that tell a block's graphs apart (torch's `skip_guard_eval_unsafe`: the
+    adapter on or off, grad mode), not each graph's whole set at every call of every block. Returns whether it
+    did. Every later step calls the blocks as the first did (the same shapes, switches and grad modes); were one
+    to need another graph, it would run a graph made for other inputs without a word: the first pass's
+    |ratio - 1| (exactly 0 while the graphs are right) is the check that stays."""
+    if settings is None or not settings.enabled or str(settings.guards) != "skip":
+        return False
+    import torch
+
+    torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    return True
 
 
 # the modes whose graphs torch replays as CUDA graphs, and each one's graphs without them

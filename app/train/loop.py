@@ -40,7 +40,7 @@ from app.config import RunConfig
 from app.console import quiet_this_process
 from app.flops import group_flops
 from app.metrics import PhaseTimer, Stats, busy_shares, reduce_over_workers, reward_metrics, throughput
-from app.models.compile import cache_counts, compile_counts
+from app.models.compile import cache_counts, compile_counts, skip_guard_evaluation
 from app.prompt_sets import load_prompts
 from app.rollout.client import BlockingRolloutClient, RolloutClient, ScoredGroup
 from app.startup import startup_metrics
@@ -93,6 +93,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 metrics = train_step(worker, step)
                 if first:  # where the start went: logged with this run's first step (a resumed run's too)
                     marks["first_step_done"] = time.time()
+                    skip_guard_evaluation(config.model.compile)  # `guards: skip`: every graph is made by now
                     metrics.update(startup_metrics(loop_config.get("startup", {}), marks,
                                                    list(worker.replica_starts.values())))
                 if worker.evaluator is not None and eval_due(config, step):

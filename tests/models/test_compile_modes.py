@@ -99,13 +99,28 @@ def test_lean_guards_keep_the_adapters_switches_tensors_and_grad_mode_and_drop_m
     assert lean_guards(entries) == [True] * 8 + [False] * 4
 
 
-def test_guards_take_full_or_lean_and_the_engines_keep_full(monkeypatch, marks):
+def test_guards_take_full_lean_or_skip_and_the_engines_keep_full(monkeypatch, marks):
     from app.models.compile import compile_blocks
 
-    with pytest.raises(ValueError, match="guards='none': full or lean"):
+    with pytest.raises(ValueError, match="guards='none': full, lean or skip"):
         compile_blocks([], guards="none")
     asked = []
     monkeypatch.setattr(compile_mod, "compile_blocks", lambda blocks, **kw: asked.append(kw["guards"]) or 0)
-    for inference in (False, True):
-        apply_compile(Stack(), StackFamily(), CompileConfig(enabled=True, guards="lean"), inference=inference)
-    assert asked == ["lean", "full"]  # the trainer's blocks lean, an engine's full
+    for guards in ("lean", "skip"):
+        for inference in (False, True):
+            apply_compile(Stack(), StackFamily(), CompileConfig(enabled=True, guards=guards), inference=inference)
+    assert asked == ["lean", "full", "skip", "full"]  # the trainer's blocks as configured, an engine's full
+
+
+def test_guard_evaluation_is_skipped_only_for_guards_skip(monkeypatch):
+    """After a trainer's first step: torch's stance changes for `guards: skip` alone (compiled), never otherwise."""
+    from app.models.compile import skip_guard_evaluation
+
+    stances = []
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **kw: stances.append((a, kw)))
+    for settings in (None, CompileConfig(enabled=False, guards="skip"), CompileConfig(enabled=True, guards="full"),
+                     CompileConfig(enabled=True, guards="lean")):
+        assert not skip_guard_evaluation(settings)
+    assert stances == []
+    assert skip_guard_evaluation(CompileConfig(enabled=True, guards="skip"))
+    assert stances == [(("default",), {"skip_guard_eval_unsafe": True})]

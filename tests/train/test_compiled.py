@@ -160,11 +160,13 @@ def test_an_engine_that_merges_compiles_once_and_the_first_pass_stays_exact(comp
     assert 0 < mismatch["rollout/logprob_mismatch_max"] < 1e-4
 
 
-def test_lean_guards_train_and_score_as_full_guards(compiled, tiny_model_dir, aio):
+def test_lean_and_skipped_guards_train_and_score_as_full_guards(compiled, tiny_model_dir, aio):
     """`model.compile.guards: lean` drops the guards on module attributes a trainer never changes: the policy
     compiles graphs of its own, its first pass is exactly 1 and its gradients (the KL's reference forward, the
     adapter off, among them) are the full-guard policy's bit for bit, the adapter's switch still picks another
-    graph, and later groups compile nothing."""
+    graph, and later groups compile nothing. `skip` (lean's graphs; after the first step only the guards that tell
+    them apart): the next group's pass and scores bit for bit those with every guard checked, the adapter's switch
+    and grad mode still picking their graphs."""
     engine, policy, settings, adapter = compiled
     aio(engine.load_lora(adapter))
     traj = aio(engine.generate(ROLLOUT.request(FIRST, seed=21, group_id=0)))
@@ -192,8 +194,21 @@ def test_lean_guards_train_and_score_as_full_guards(compiled, tiny_model_dir, ai
     assert not torch.equal(scores(lean, True), scores(lean, False))  # the adapter's switch kept its guard
     other = aio(engine.generate(ROLLOUT.request('a banner that says "LEAN"', seed=22, group_id=1, sde_window=(1, 3))))
     before = compile_counts()
-    assert _pass(lean, other)[0]["actor/ratio_dev_first_pass_max"] == 0.0
+    checked, _, checked_grads = _pass(lean, other)
+    assert checked["actor/ratio_dev_first_pass_max"] == 0.0
     assert compile_counts() == before
+    checked_scores = (scores(lean, True), scores(lean, False))
+
+    # `skip`, as a run after its first step (a process-wide stance: set for the trainer's calls alone here)
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        skipped, _, skipped_grads = _pass(lean, other)
+        skipped_scores = (scores(lean, True), scores(lean, False))
+    assert skipped["actor/ratio_dev_first_pass_max"] == 0.0
+    assert compile_counts() == before
+    for g, c in zip(skipped_grads, checked_grads, strict=True):
+        assert torch.equal(g, c)
+    for skip, check in zip(skipped_scores, checked_scores, strict=True):
+        assert torch.equal(skip, check)
 
 
 def test_a_new_process_compiles_from_the_shared_cache(tiny_model_dir, tmp_path):
