@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -124,26 +125,24 @@ def _checkpointed_forward(block, *args, **kwargs):
     return _forward(block, *args, **kwargs)
 
 
-# `model.compile.guards: lean`: the guards dynamo drops on a trainer's blocks, where their source is an attribute of
-# an nn module the trainer never changes after its first step (its hooks dicts, an attribute's absence, types,
-# closures, constants such as head counts). Kept: every guard on the adapter's switches (peft's `_disable_adapters`,
-# `merged_adapters`, the active adapter: the reference forward runs the adapter off), on train/eval mode, tensors
-# (parameters too), grad mode, shapes and globals. About two thirds of a block's guards go.
+# `model.compile.guards: lean`: the guards dynamo drops on a trainer's blocks, where they guard the block's module
+# tree (dynamo names it after `_forward`'s argument: `block._modules['attn']...`, `type(block)`), which the trainer
+# never changes after its first step (its hooks dicts, an attribute's absence, types, closures, constants such as
+# head counts). Kept: every guard on the adapter's switches (peft's `_disable_adapters`, `merged_adapters`, the
+# active adapter: the reference forward runs the adapter off), on train/eval mode, tensors (parameters too), grad
+# mode, shapes, the call's arguments and globals. (Until 2026-12-07 the rule asked for an nn module's own source,
+# which a module passed as an argument never has: lean dropped nothing.)
 LEAN_DROPPED_GUARDS = frozenset({"EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT", "TYPE_MATCH",
                                  "DICT_KEYS_MATCH", "DICT_NOT_CONTAINS", "CLOSURE_MATCH", "SEQUENCE_LENGTH",
                                  "CONSTANT_MATCH", "EQUALS_MATCH"})
 LEAN_KEPT_NAMES = ("adapter", "merged", "training", "scaling", "use_dora")
+_ON_THE_BLOCK = re.compile(r"(?<![\w'\".])block(?![\w'\"])")  # the argument `block`, not a key such as ['block']
 
 
 def lean_guards(entries) -> list[bool]:
     """dynamo's `guard_filter_fn` for `guards: lean`: which of a compiled block's guards to keep."""
-    keep = []
-    for entry in entries:
-        source = entry.orig_guard.source
-        module_attribute = source is not None and source.is_unspecialized_nn_module()
-        keep.append(not module_attribute or entry.guard_type not in LEAN_DROPPED_GUARDS
-                    or any(name in entry.name for name in LEAN_KEPT_NAMES))
-    return keep
+    return [entry.guard_type not in LEAN_DROPPED_GUARDS or not _ON_THE_BLOCK.search(entry.name)
+            or any(name in entry.name for name in LEAN_KEPT_NAMES) for entry in entries]
 
 
 def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: str | None = None,
