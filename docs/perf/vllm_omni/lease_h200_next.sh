@@ -1,10 +1,13 @@
 #!/bin/bash
-# The next one-GPU lease (issue 54; order = priority). Lease 9 (one H100, 2026-12-07) measured Wan on both engines,
-# its 10-step job (issue 55) and Z-Image's trainer bench with guards full / lean / skip (29.17 / 29.10 / 29.12 % MFU:
-# not the lever); it ended in Qwen-Image's first trainer bench. Now: Qwen-Image's trainer bench with guards full and
-# skip (60 blocks, twice Z-Image's), then cheaper ODE steps on Qwen-Image. Send the first device call alone, naming the
-# kind (docs/perf/vllm_omni/README.md).
+# The next one-GPU lease (issue 54, point 1; order = priority). Lease 9 (one H100, 2026-12-07) measured Wan on both
+# engines, its 10-step job (issue 55) and Z-Image's trainer bench with guards full / lean / skip (29.17 / 29.10 /
+# 29.12 % MFU: not the lever); it ended in Qwen-Image's first trainer bench. Now Qwen-Image's trainer bench: the best
+# known settings (activation budget 0.25: 30.9 % on an H100, 32.0 % on an H200), the same with guards skipped (60
+# blocks, twice Z-Image's), then less recomputation (budget 0.5 at micro-batches of 4; an H100 may run out of memory),
+# then cheaper ODE steps on Qwen-Image. Send the first device call alone, naming the kind (docs/perf/vllm_omni/README.md).
 V=docs/perf/vllm_omni/gpu_runs.sh
-exec bash docs/perf/kernels/lease.sh start RUNS=$V setup \
-  model:qwen_image BENCH_TIMEOUT=300 trainstep:qwen_image EXTRA=model.compile.guards=skip trainstep:qwen_image EXTRA= \
+B="train.gradient_checkpointing=false train.activation_memory_budget"
+exec bash docs/perf/kernels/lease.sh start RUNS=$V setup model:qwen_image BENCH_TIMEOUT=360 \
+  "EXTRA=$B=0.25" trainstep:qwen_image "EXTRA=$B=0.25 model.compile.guards=skip" trainstep:qwen_image \
+  "EXTRA=$B=0.5 train.micro_batch_size=4" trainstep:qwen_image EXTRA= \
   ODE_GROUPS=8 THRESHOLDS= BENCH_TIMEOUT=500 odesteps:qwen_image
