@@ -354,3 +354,20 @@ def tiny_run(tmp_path_factory, job_cluster) -> Path:
     assert done.returncode == 0, done.stderr[-4000:]
     assert "reward curve:" in done.stdout and "LoRA adapter:" in done.stdout and "start-up:" in done.stdout
     return run_dir
+
+
+@pytest.fixture
+def world_of_one():
+    """A process group of one rank in this process, as a Ray Train worker of a one-worker run has. An in-process
+    vllm-omni engine of an earlier test in this process may have started one already: it is used as it is."""
+    import torch.distributed as dist
+
+    from tests.gloo import free_port
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
+    yield
+    if owned:
+        dist.destroy_process_group()

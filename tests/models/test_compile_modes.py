@@ -86,23 +86,6 @@ class LoraBlock(torch.nn.Module):
         return x + self.attn.to_q(self.norm(x))
 
 
-@pytest.fixture
-def world_of_one():
-    """A process group of one rank in this process, as a Ray Train worker of a one-worker run has (an in-process
-    vllm-omni engine of an earlier test may have started one already: it is used as it is)."""
-    import torch.distributed as dist
-
-    from tests.gloo import free_port
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    assert dist.get_world_size() == 1
-    yield
-    if owned:
-        dist.destroy_process_group()
-
-
 def test_lean_guards_drop_the_blocks_bookkeeping_and_keep_the_adapters_switch(monkeypatch, world_of_one):
     """`model.compile.guards: lean` on dynamo's own guards of a compiled block (a real compilation), wrapped by
     FSDP2 as the trainer's blocks are (its guards then name every attribute of the module tree): guards on the

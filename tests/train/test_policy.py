@@ -154,48 +154,37 @@ def test_fsdp2_update_on_two_workers_matches_an_unsharded_float64_step(ray_clust
 
 
 def test_one_rank_keeps_the_frozen_base_as_it_is_and_computes_what_sharding_it_computes(tiny_model_dir, adapter,
-                                                                                      rollout, monkeypatch):
+                                                                                      rollout, world_of_one):
     """A world of one (the single-GPU trainer): FSDP2 manages only the LoRA, so the forward reads the base weights
     where they are stored instead of a per-forward unsharded copy; the loss and every LoRA gradient are those of
     FSDP2 managing the base too (bf16 compute, as on the GPU), whether it frees a block's gathered weights after
     the forward or keeps them for the backward (`train.reshard_after_forward`)."""
-    import torch.distributed as dist
-    from torch.distributed.elastic.utils.distributed import get_free_port
     from torch.distributed.tensor import DTensor
 
-    owned = not dist.is_initialized()  # the in-process vllm-omni engine may have started a world of one already
-    if owned:
-        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        monkeypatch.setenv("MASTER_PORT", str(get_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    assert dist.get_world_size() == 1
-    try:
-        runs = {}
-        for shard_frozen, reshard in ((False, True), (True, True), (True, False)):
-            policy = Policy.from_pretrained(tiny_model_dir, lora_rank=4, lora_alpha=4, target_modules=TARGETS,
-                                            adapter_tensors=adapter.tensors, dtype=torch.bfloat16, shard=True,
-                                            shard_frozen=shard_frozen, reshard_after_forward=reshard)
-            to_q = policy.transformer.transformer_blocks[0].attn.to_q
-            used = []
-            hook = to_q.base_layer.register_forward_pre_hook(lambda m, _, used=used: used.append(m.weight.data_ptr()))
-            loss = surrogate(policy, rollout, [0, 1, 2, 3])
-            # between forward and backward a block's weights are gathered only if it keeps them
-            assert isinstance(to_q.base_layer.weight, DTensor) == (shard_frozen and reshard)
-            loss.backward()
-            hook.remove()
-            stored = to_q.base_layer.weight
-            assert isinstance(stored, DTensor) == shard_frozen
-            assert all(isinstance(p, DTensor) for p in policy.parameters())  # the LoRA: FSDP2's either way
-            local = stored.to_local() if isinstance(stored, DTensor) else stored
-            assert (used[0] == local.data_ptr()) == (not shard_frozen)  # no copy when the base is left alone
-            runs[shard_frozen, reshard] = (loss.detach(), {n: p.grad.full_tensor() for n, p in
-                                                           policy.transformer.named_parameters() if p.grad is not None})
-        loss_a, grads_a = runs[False, True]
-        assert len(grads_a) > 0
-        for loss_b, grads_b in (runs[True, True], runs[True, False]):
-            assert torch.equal(loss_a, loss_b)
-            assert grads_a.keys() == grads_b.keys()
-            assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
-    finally:
-        if owned:
-            dist.destroy_process_group()
+    runs = {}
+    for shard_frozen, reshard in ((False, True), (True, True), (True, False)):
+        policy = Policy.from_pretrained(tiny_model_dir, lora_rank=4, lora_alpha=4, target_modules=TARGETS,
+                                        adapter_tensors=adapter.tensors, dtype=torch.bfloat16, shard=True,
+                                        shard_frozen=shard_frozen, reshard_after_forward=reshard)
+        to_q = policy.transformer.transformer_blocks[0].attn.to_q
+        used = []
+        hook = to_q.base_layer.register_forward_pre_hook(lambda m, _, used=used: used.append(m.weight.data_ptr()))
+        loss = surrogate(policy, rollout, [0, 1, 2, 3])
+        # between forward and backward a block's weights are gathered only if it keeps them
+        assert isinstance(to_q.base_layer.weight, DTensor) == (shard_frozen and reshard)
+        loss.backward()
+        hook.remove()
+        stored = to_q.base_layer.weight
+        assert isinstance(stored, DTensor) == shard_frozen
+        assert all(isinstance(p, DTensor) for p in policy.parameters())  # the LoRA: FSDP2's either way
+        local = stored.to_local() if isinstance(stored, DTensor) else stored
+        assert (used[0] == local.data_ptr()) == (not shard_frozen)  # no copy when the base is left alone
+        runs[shard_frozen, reshard] = (loss.detach(), {n: p.grad.full_tensor() for n, p in
+                                                       policy.transformer.named_parameters() if p.grad is not None})
+    loss_a, grads_a = runs[False, True]
+    assert len(grads_a) > 0
+    for loss_b, grads_b in (runs[True, True], runs[True, False]):
+        assert torch.equal(loss_a, loss_b)
+        assert grads_a.keys() == grads_b.keys()
+        assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+
