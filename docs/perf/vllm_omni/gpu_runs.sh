@@ -93,12 +93,14 @@ case "$1" in
   trainstep)  # trainstep FAMILY: the trainer's update at real size, compiled, one GPU; RETRY_NOCUDNN=1: a bench that
     # fails runs once more without cuDNN's attention (the eighth session's FLUX failure: docs/gpus.md), named
     # ..._nocudnn. A trainer leaves cuDNN out by default since 215f4b1, so a failure (out of memory) is not retried.
+    # PROFILE=1: one more micro-batch under the torch profiler, its GPU time by kind of kernel in NAME_HHMMSS_profile.json
     family=$2
     retries=(""); [ "${RETRY_NOCUDNN:-0}" = 1 ] && retries+=("model.attention_kernels=[flash,efficient,math]")
     for kernels in "${retries[@]}"; do
       name=${family}_trainstep${kernels:+_nocudnn}
+      prof=(); [ "${PROFILE:-0}" = 1 ] && prof=(--profile "$OUT/${name}_$(date +%H%M%S)_profile.json")
       line=$(timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_train_step --config ${CFG[$family]} --groups 2 --repeats 3 \
-        model.path="$MODELS/$family" model.compile.cache_dir=$CACHE ${SET[$family]} "${EXTRA[@]}" $kernels \
+        "${prof[@]}" model.path="$MODELS/$family" model.compile.cache_dir=$CACHE ${SET[$family]} "${EXTRA[@]}" $kernels \
         2>>"$OUT/$name.err" | tail -1)
       tail -n 3 "$OUT/$name.err"
       [[ $line == "{"* ]] && { sed "s/^{/{\"run\": \"$name\", /" <<< "$line" | tee -a "$OUT/bench_train_step.jsonl"; break; }
