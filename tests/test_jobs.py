@@ -23,6 +23,9 @@ def test_bench_rollout_prints_one_json_line(tmp_path):
     result = json.loads(lines[0])
     assert result["batched_images_per_s"] > 0 and result["per_sample_images_per_s"] > 0
     assert result["batched_over_per_sample"] > 0 and "trajectory_overhead_pct" in result
+    # a group's seconds and the images per second are one timing: they agree to their rounding
+    group_s = result["group_size"] / result["batched_images_per_s"]
+    assert result["batched_s_per_group"] == pytest.approx(group_s, rel=1e-3, abs=1e-3)
 
 
 def test_bench_train_step_shards_the_base_over_two_ranks_under_torchrun(tiny_model_dir):
