@@ -107,12 +107,14 @@ case "$1" in
     done ;;
   odesteps)  # odesteps FAMILY: cheaper ODE steps (rollout.ode_steps) against the full computation, the diffusers
     # engine compiled, the run's groups and seeds (issue 54: speed-up, reward shift beside the seed-to-seed spread):
-    # First Block Cache at THRESHOLDS (THRESHOLDS= for none) and FP8 matmuls
+    # First Block Cache at THRESHOLDS (THRESHOLDS= for none) and FP8 matmuls; the JPEG reward, as the jobs (random
+    # weights score 0 in OCR); EXTRA after the stage's SDE window (2 of steps 0-5) replaces it
     family=$2
     read -r -a thresholds <<< "${THRESHOLDS-0.05 0.1}"
     timeout ${BENCH_TIMEOUT:-560} python -m jobs.bench_ode_steps --config ${CFG[$family]} --groups ${ODE_GROUPS:-8} \
       model.path="$MODELS/$family" rollout.engine=${LOCAL[$family]} model.compile.cache_dir=$CACHE ${SET[$family]} \
-      rollout.sde_window.size=2 "rollout.sde_window.range=[0,5]" "${EXTRA[@]}" --thresholds "${thresholds[@]}" --fp8 2>"$OUT/${family}_ode_steps.err" | tail -1 \
+      "reward.weights={jpeg_compressibility: 1.0}" rollout.sde_window.size=2 "rollout.sde_window.range=[0,5]" \
+      "${EXTRA[@]}" --thresholds "${thresholds[@]}" --fp8 2>"$OUT/${family}_ode_steps.err" | tail -1 \
       | sed "s/^{/{\"run\": \"${family}_ode_steps\", /" | tee -a "$OUT/bench_ode_steps.jsonl"
     tail -n 3 "$OUT/${family}_ode_steps.err" ;;
   serving)  # serving FAMILY: jobs.bench_serving, a vllm-omni replica of the family on the GPU, eager: HTTP beside the
