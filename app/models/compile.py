@@ -16,6 +16,10 @@ its own, in the trainer and in the in-process rollout engines.
   would be compiled again for the second. The variants above are more than dynamo's default limit of 8 per
   function; past it a call runs eager, and a checkpointed block whose forward ran compiled but whose recompute ran
   eager (or the reverse) saves tensors of another layout: the limit is raised.
+- Dynamo's settings for the blocks (the raised limit, floats as constants, the trainer's activation budget) are
+  applied in whichever thread calls them, at its first call (`_settings_here`): since torch 2.13 a config value
+  set in one thread or context is not seen in another, and an engine compiles in its loading thread but samples in
+  others (`asyncio.to_thread`), where the limit was dynamo's 8 again and floats were traced as symbols.
 - Inductor's caches (FX graphs, autograd graphs, kernels) live in one folder that every process of a run shares
   (`use_cache_dir`), so that a restarted worker, a replacement replica or a resumed run start warm.
 
@@ -29,6 +33,7 @@ import functools
 import os
 import re
 from collections.abc import Iterable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +78,32 @@ def use_cache_dir(cache_dir: str | os.PathLike | None) -> None:
 
 
 RECOMPILE_LIMIT = 64  # compiled variants of one block's forward (dynamo's default: 8)
+
+
+# the settings this context has applied (each thread, each copy of a context, starts without)
+_APPLIED: ContextVar[tuple | None] = ContextVar("flowgrpo_compile_settings", default=None)
+
+
+def _settings_here(settings: tuple) -> None:
+    """Apply `settings` ((config module, name, value), ...) in the calling thread's context unless it has them."""
+    if _APPLIED.get() is not settings:
+        for config, name, value in settings:
+            setattr(config, name, value)
+        _APPLIED.set(settings)
+
+
+def dynamo_settings(activation_memory_budget: float | None = None) -> tuple:
+    """What compiled blocks need of dynamo (and of the partitioner: the trainer's activation budget)."""
+    import torch._dynamo
+    import torch._functorch.config
+
+    settings = [(torch._dynamo.config, "recompile_limit", RECOMPILE_LIMIT),
+                # a block's float attributes (a norm's eps) as constants: traced as symbols under dynamic=True, they
+                # fail a later pass that then restarts the whole analysis, so every first compilation ran twice
+                (torch._dynamo.config, "specialize_float", True)]
+    if activation_memory_budget is not None:  # read when a block compiles, at its first call
+        settings.append((torch._functorch.config, "activation_memory_budget", float(activation_memory_budget)))
+    return tuple(settings)
 
 
 def _forward(block, *args, **kwargs):
@@ -146,31 +177,35 @@ def lean_guards(entries) -> list[bool]:
 
 
 def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: str | None = None,
-                   checkpoint: bool = False, guards: str = "full") -> int:
+                   checkpoint: bool = False, guards: str = "full",
+                   activation_memory_budget: float | None = None) -> int:
     """Compile each block's forward in place (lazily: the first call compiles), with gradient checkpointing inside
     the compiled region when `checkpoint`; returns how many blocks. Every block runs one compiled function (the
     block is its argument), so identical blocks share its graphs. guards: `full` (dynamo's), `lean`
-    (`lean_guards`: fewer checked on every call of every block) or `skip` (lean until `skip_guard_evaluation`)."""
+    (`lean_guards`: fewer checked on every call of every block) or `skip` (lean until `skip_guard_evaluation`).
+    activation_memory_budget: the share of activations the partitioner keeps for the backward (None: torch's)."""
     import types
 
     import torch
-    import torch._dynamo
 
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    # a block's float attributes (a norm's eps) as constants: traced as symbols under dynamic=True, they fail a
-    # later pass that then restarts the whole analysis, so every first compilation ran twice (half a cold start)
-    torch._dynamo.config.specialize_float = True
+    settings = dynamo_settings(activation_memory_budget)
+    _settings_here(settings)
     mode = None if mode in (None, "default") else str(mode)
     if guards not in ("full", "lean", "skip"):
         raise ValueError(f"guards={guards!r}: full, lean or skip")
     options = {"guard_filter_fn": lean_guards} if guards in ("lean", "skip") else None
     compiled = torch.compile(_checkpointed_forward if checkpoint else _forward, backend=str(backend), mode=mode,
                              dynamic=True, options=options)
+
+    def run(block, *args, **kwargs):
+        _settings_here(settings)  # in the calling thread, before dynamo reads them
+        return compiled(block, *args, **kwargs)
+
     count = 0
     for block in blocks:
         if getattr(block, "_flowgrpo_compiled", False):
             continue
-        block.forward = types.MethodType(compiled, block)
+        block.forward = types.MethodType(run, block)
         block._flowgrpo_compiled = True
         count += 1
     return count
@@ -209,7 +244,8 @@ def _new_cuda_graph_step(block, args) -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
-def apply_compile(module: Any, family: Any, settings: Any, *, inference: bool = False) -> int:
+def apply_compile(module: Any, family: Any, settings: Any, *, inference: bool = False,
+                  activation_memory_budget: float | None = None) -> int:
     """Compile `module`'s blocks as the family names them, with a `model.compile` section's settings (nothing
     when it is off); returns how many blocks were compiled. A module with gradient checkpointing on (diffusers'
     `enable_gradient_checkpointing`) has it moved inside the compiled blocks.
@@ -232,7 +268,8 @@ def apply_compile(module: Any, family: Any, settings: Any, *, inference: bool = 
     if checkpoint:
         module.gradient_checkpointing = False  # the compiled blocks checkpoint themselves
     guards = "full" if inference else str(settings.guards)  # the engines keep dynamo's own
-    return compile_blocks(blocks, backend=settings.backend, mode=mode, checkpoint=checkpoint, guards=guards)
+    return compile_blocks(blocks, backend=settings.backend, mode=mode, checkpoint=checkpoint, guards=guards,
+                          activation_memory_budget=activation_memory_budget)
 
 
 def compile_counts() -> dict[str, int]:

@@ -13,7 +13,11 @@ float8 e4m3 through `torch._scaled_mm`, the weights scaled per output channel, t
 (the scaling torchao's rowwise float8 uses). The weights' FP8 copy is made again at every group's first ODE step (an
 adapter folded into the weights changes them between groups), in place in buffers kept on the layers: a replica holds
 half its blocks' bf16 bytes more. A layer whose features are not multiples of 16 (what the GPU kernels take) stays as
-it is. Off the ODE steps the layers are the untouched modules.
+it is. The layers become `Fp8OdeLinear` (an nn.Linear whose forward reads one switch) when their FP8 weights are
+first made, before any compilation: compiled blocks guard on the switch's value, so every block shares one graph
+with it on and one with it off (a forward swapped in per layer was guarded by its identity: a graph per block, past
+dynamo's limit, and eager from there on: 0.63x the model's precision in a Z-Image job on one H100). Off the ODE
+steps their forward is nn.Linear's.
 
 The cache: diffusers' First Block Cache (ParaAttention's dynamic caching, the idea of TeaCache): on an ODE step
 the first transformer block runs, and when its residual moved less than `threshold` (mean absolute change relative
@@ -25,7 +29,6 @@ its own cache, by its order in the step.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -133,14 +136,13 @@ class OdeStepFp8(OdeStepSwitch):
 
     def __init__(self, transformer: torch.nn.Module):
         self.layers = [layer for block in _blocks(transformer) for name, layer in block.named_modules()
-                       if type(layer) is torch.nn.Linear and "lora_" not in name
+                       if type(layer) in (torch.nn.Linear, Fp8OdeLinear) and "lora_" not in name
                        and layer.in_features % 16 == 0 and layer.out_features % 16 == 0]
         if not self.layers:
             raise ValueError(f"rollout.ode_steps.precision=fp8: {type(transformer).__name__}'s blocks have no linear "
                              "layer whose features are multiples of 16")
         self.quantize_s = 0.0  # this group's weight quantization (once, at its first ODE step)
         self._fresh = False
-        self._own: dict[torch.nn.Module, Callable | None] = {}
 
     def quantize(self) -> None:
         """The layers' FP8 weights from their weights as they stand. At the engine's load too: the buffers join the
@@ -161,13 +163,7 @@ class OdeStepFp8(OdeStepSwitch):
             self.quantize()
             self._fresh = True
         for layer in self.layers:
-            if on:  # an instance's own forward (a diffusers hook's) is put back after
-                self._own[layer] = vars(layer).get("forward")
-                layer.forward = layer._ode_fp8_forward  # one object a layer: compiled code guards on its id
-            elif (own := self._own.pop(layer)) is not None:
-                layer.forward = own
-            else:
-                del layer.forward  # the class's own forward again: the window's steps are the full computation's
+            layer.ode_fp8 = on
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -184,12 +180,21 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+class Fp8OdeLinear(torch.nn.Linear):
+    """An nn.Linear that multiplies in FP8 (`fp8_linear_forward`) while its switch `ode_fp8` is on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ode_fp8:
+            return fp8_linear_forward(self, x)
+        return super().forward(x)
+
+
 def _quantize_weight(layer: torch.nn.Linear) -> None:
     """The layer's FP8 weight and per-channel scale, written into the buffers it keeps for them."""
     q, scale = quantize_rows(layer.weight.detach())
     if getattr(layer, "_ode_fp8_weight", None) is None:
         layer._ode_fp8_weight, layer._ode_fp8_scale = q, scale.t().contiguous()  # the scale as [1, out]
-        layer._ode_fp8_forward = functools.partial(fp8_linear_forward, layer)
+        layer.__class__, layer.ode_fp8 = Fp8OdeLinear, False  # the switch on the instance from the start
     else:
         layer._ode_fp8_weight.copy_(q)
         layer._ode_fp8_scale.copy_(scale.t())

@@ -86,16 +86,15 @@ class Policy:
                          reshard_after_forward=reshard_after_forward)
         if (problem := backward_checked()) is not None:  # before the blocks compile: the kernels are traced in
             logging.getLogger(__name__).warning("the trainer leaves cuDNN's attention kernel out: %s", problem)
-        policy.compile(compile)
-        if activation_memory_budget is not None:  # read when the blocks compile, at their first call
-            torch._functorch.config.activation_memory_budget = activation_memory_budget
+        policy.compile(compile, activation_memory_budget=activation_memory_budget)
         return policy
 
-    def compile(self, settings) -> None:
+    def compile(self, settings, activation_memory_budget: float | None = None) -> None:
         """Compile the family's blocks as a `model.compile` section says (nothing when it is off)."""
         from app.models.compile import apply_compile
 
-        self.compiled = apply_compile(self.transformer, self.family, settings) > 0 or self.compiled
+        self.compiled = apply_compile(self.transformer, self.family, settings,
+                                      activation_memory_budget=activation_memory_budget) > 0 or self.compiled
 
     @classmethod
     def with_lora(cls, transformer, *, lora_rank: int, lora_alpha: float, target_modules: Sequence[str], seed: int = 0,

@@ -159,3 +159,33 @@ def test_guard_evaluation_is_skipped_only_for_guards_skip(monkeypatch):
     assert stances == []
     assert skip_guard_evaluation(CompileConfig(enabled=True, guards="skip"))
     assert stances == [(("default",), {"skip_guard_eval_unsafe": True})]
+
+
+def test_compiled_blocks_bring_their_settings_to_every_thread(marks):
+    """Since torch 2.13 a config value set in one thread is not seen in another, and an engine compiles in its
+    loading thread but samples in others: the blocks apply dynamo's raised limit, floats as constants and the
+    trainer's activation budget in whichever thread calls them, before dynamo reads them."""
+    import threading
+
+    import torch._dynamo
+    import torch._functorch.config
+
+    module, x = Stack(), torch.randn(4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        expected = module(x)
+    assert apply_compile(module, StackFamily(), CompileConfig(enabled=True), activation_memory_budget=0.5) == 3
+    seen = {}
+
+    def call():
+        seen["before"] = torch._dynamo.config.recompile_limit  # a new thread starts from torch's defaults
+        with torch.no_grad():
+            seen["out"] = module(x)
+        seen["after"] = (torch._dynamo.config.recompile_limit, torch._dynamo.config.specialize_float,
+                         torch._functorch.config.activation_memory_budget)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert seen["before"] == 8
+    assert seen["after"] == (compile_mod.RECOMPILE_LIMIT, True, 0.5)
+    torch.testing.assert_close(seen["out"], expected, rtol=1e-12, atol=1e-12)

@@ -163,3 +163,65 @@ def test_ode_steps_fp8_compiled_compiles_once(tiny_model_dir):
     assert engine.compiled and first.producer["ode_fp8_layers"] > 0
     assert first.producer["compile_frames"] > 0 and second.producer["compile_frames_new"] == 0
     assert torch.equal(first.latents, second.latents)
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Blocks(torch.nn.Module):
+    """A transformer's shape as the FP8 switch and First Block Cache find it: `transformer_blocks`."""
+
+    def __init__(self, count: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer_blocks = torch.nn.ModuleList(Mlp() for _ in range(count))
+
+    def forward(self, x):
+        for block in self.transformer_blocks:
+            x = block(x)
+        return x
+
+
+def test_ode_steps_fp8_compiled_blocks_share_one_graph_each_way_in_any_thread():
+    """Twelve compiled blocks (more than dynamo's default of 8 variants), sampled in another thread than the one
+    that compiled them, as a replica does: the FP8 switch is one value every block's graph guards on, so the blocks
+    share a graph with it on and one with it off (a forward swapped in per layer made a graph per block, and past
+    the limit ran eager: seen on an H100). Off, the output is the full computation's bit for bit; on, the eager FP8
+    layers'."""
+    import threading
+
+    from app.models.compile import compile_blocks, compile_counts
+    from app.rollout.ode_steps import OdeStepFp8
+
+    module, x = Blocks(12), torch.randn(2, 7, 32)
+    fp8 = OdeStepFp8(module)
+    fp8.quantize()  # as an engine's load does, before its blocks compile
+    with torch.no_grad():
+        full = module(x)
+        fp8._switch(True)
+        eager_fp8 = module(x)
+        fp8._switch(False)
+    compile_blocks(module.transformer_blocks)
+    frames = compile_counts()["frames"]
+    out = {}
+
+    def sample():
+        with torch.no_grad():
+            for name, on in (("full", False), ("fp8", True), ("fp8_again", True), ("full_again", False)):
+                fp8._switch(on)
+                out[name] = module(x)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    thread.join()
+    assert compile_counts()["frames"] - frames == 2  # one graph with the switch off, one with it on
+    assert torch.equal(out["full_again"], out["full"])
+    torch.testing.assert_close(out["full"], full, rtol=1e-5, atol=1e-5)  # inductor's fusions: not bit for bit eager
+    torch.testing.assert_close(out["fp8"], eager_fp8, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out["fp8_again"], out["fp8"]) and not torch.equal(out["fp8"], full)
