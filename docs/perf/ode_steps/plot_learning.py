@@ -3,7 +3,8 @@ model's precision, in FP8 (`rollout.ode_steps.precision=fp8`) and at lr 0, the s
 noise each step), and each trained run's difference from lr 0 step by step.
     python docs/perf/ode_steps/plot_learning.py FOLDER [--title "one H200, Z-Image-Turbo recipe, ..."]
 (FOLDER holds ode_model_metrics.jsonl, ode_fp8_metrics.jsonl, ode_lr0_metrics.jsonl, as gpu_runs.sh's job stage
-names them)"""
+names them, and ode_model_seed1_metrics.jsonl where the lease ran it: the model's precision on another seed, whose
+prompts and noise differ, drawn in the left panel only)"""
 
 import argparse
 import json
@@ -26,6 +27,8 @@ def rewards(path: Path) -> dict[int, float]:
 def main(folder: str, title: str) -> None:
     d = Path(folder)
     runs = {label: rewards(d / f"{name}_metrics.jsonl") for label, name in RUNS.items()}
+    if (other := d / "ode_model_seed1_metrics.jsonl").exists():
+        runs["model precision, seed 1"] = rewards(other)
     fig, (curves, paired) = plt.subplots(1, 2, figsize=(12, 4.2))
     for label, by_step in runs.items():
         curves.plot(list(by_step), list(by_step.values()), marker=".", label=label)
