@@ -8,11 +8,12 @@ rollout's speed, the reward's distribution, and the window's exactness.
 The run's prompts, groups and SDE windows (`group_request`, the run's seed, training step 0), sampled by the
 in-process diffusers engine once at full cost (the reference), once per First Block Cache threshold and, with --fp8,
 once with FP8 matmuls on the ODE steps, each setting's passes after one warm-up group of each. Prints one JSON line:
-per setting the images/s (median of --repeats passes over every group), the share of ODE forwards that reused the
-cache or the FP8 weights' quantization a group, the reward's mean and spread over every image, and against the
-reference: the speed-up, the mean of the per-image reward differences with its standard error (paired: same seeds),
-the seed-to-seed spread of the reference's rewards, and whether the log-probs of the groups whose window comes first
-(no cheaper step before it) are the reference's bit for bit.
+per setting the images/s (median of --repeats passes over every group) and a group's denoising seconds (the steps
+alone, the last pass), the share of ODE forwards that reused the cache or the FP8 weights' quantization a group, the
+reward's mean and spread over every image, and against the reference: the speed-ups, the mean of the per-image
+reward differences with its standard error (paired: same seeds), the seed-to-seed spread of the reference's rewards,
+and whether the log-probs of the groups whose window comes first (no cheaper step before it) are the reference's bit
+for bit.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def _name(setting: tuple[float | None, bool]) -> str:
     return "+".join(([f"first_block_{threshold}"] if threshold is not None else []) + (["fp8"] if fp8 else []))
 
 
+def _denoise_s(trajs) -> float:
+    """Seconds a group spent denoising (the steps, without the prompt's encoding and the VAE's decoding)."""
+    return round(statistics.fmean(t.producer["phase_s"].get("denoise", 0.0) for t in trajs), 4)
+
+
 def _rewards(reward, trajs) -> list[float]:
     return [x for t in trajs for x in reward.score(t.images, [t.prompt] * t.group_size).total]
 
@@ -68,7 +74,9 @@ def bench(config, groups: int, thresholds: list[float], fp8: bool, repeats: int)
                          "rollout.engine=diffusers")
     if fp8:
         check_fp8_device(engine.device)
+        engine.ode_fp8 = True  # its FP8 layers made at the load, before compilation, as a run's engine does
     engine.load()
+    engine.ode_fp8 = False
     prompts = load_prompts(config.data.prompts)
     chosen = step_prompts(prompts, 0, groups, seed=config.train.seed, shuffle=config.data.shuffle)
     requests = [group_request(ro, prompt, group, seed=config.train.seed) for group, prompt in chosen]
@@ -92,7 +100,8 @@ def bench(config, groups: int, thresholds: list[float], fp8: bool, repeats: int)
     window_first = [i for i, r in enumerate(requests) if r.sde_window is not None and r.sde_window[0] == 0]
     result = {"bench": "ode_steps", "engine": engine.kind, "device": str(engine.device), "family": family.name,
               "groups": groups, "images": images, "steps": ro.num_inference_steps, "sde_window": ro.sde_window.size,
-              "full": {"images_per_s": round(images / full_s, 4), "reward_mean": statistics.fmean(full),
+              "full": {"images_per_s": round(images / full_s, 4),
+                       "denoise_s_per_group": _denoise_s(trajs[full_setting]), "reward_mean": statistics.fmean(full),
                        "reward_std": statistics.stdev(full) if len(full) > 1 else 0.0}}
     for setting in settings[1:]:
         got, took = scores[setting], statistics.median(seconds[setting])
@@ -100,7 +109,10 @@ def bench(config, groups: int, thresholds: list[float], fp8: bool, repeats: int)
         forwards = sum(t.producer.get("ode_forwards", 0) for t in trajs[setting])
         cached = sum(t.producer.get("ode_forwards_cached", 0) for t in trajs[setting])
         exact = all(torch.equal(trajs[setting][i].log_probs, trajs[full_setting][i].log_probs) for i in window_first)
+        denoise = _denoise_s(trajs[setting])
         row = {"images_per_s": round(images / took, 4), "speedup": round(full_s / took, 3),
+               "denoise_s_per_group": denoise,
+               "denoise_speedup": round(result["full"]["denoise_s_per_group"] / denoise, 3) if denoise else None,
                "reward_mean": statistics.fmean(got), "reward_std": statistics.stdev(got) if len(got) > 1 else 0.0,
                "reward_shift": statistics.fmean(diffs),
                "reward_shift_se": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0,

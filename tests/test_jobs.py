@@ -130,6 +130,7 @@ def test_bench_ode_steps_prints_one_json_line(capfd, tiny_model_dir):
     assert cached["reward_shift"] != 0.0 and cached["reward_seed_std"] == result["full"]["reward_std"]
     assert fp8["window_first_logprobs_exact"] is True and fp8["reward_shift"] != 0.0
     assert fp8["fp8_quantize_s_per_group"] > 0 and "ode_forwards_cached_share" not in fp8
+    assert result["full"]["denoise_s_per_group"] > 0 and fp8["denoise_speedup"] > 0
 
 
 @pytest.mark.parametrize("values", [[3.0], [1.0, 2.0], [5.0, 1.0, 4.0, 2.0, 3.0], [0.1 * i * i for i in range(37)]])
