@@ -12,9 +12,9 @@
 # The machine still goes back after 30 minutes held: plan a lease's stages under that. In the project root with the
 # device wheels installed and PYTHONPATH set:
 #   bash docs/perf/kernels/lease.sh start setup "train_step:after" "BUDGET=0.25" "train_step:budget" ... | wait 560
-# $OUT gets kernels.tgz (every lane's files and log, the cache left out) and, once every lane is done, the cache in
-# 15 MB parts (compile_cache_kernels.tgz.part*: `cat` them into .devcache/compile_cache_kernels.tgz to seed a later
-# lease; PACK_CACHE=0 leaves it on the machine).
+# $OUT gets kernels.tgz (every lane's files and log, runs/: every job's metrics.jsonl so far, the cache left out)
+# and, once every lane is done, the cache in 15 MB parts (compile_cache_kernels.tgz.part*: `cat` them into
+# .devcache/compile_cache_kernels.tgz to seed a later lease; PACK_CACHE=0 leaves it on the machine).
 set -uo pipefail
 RES=${RES:-/tmp/kernels}; RUNS=${RUNS:-docs/perf/kernels/gpu_runs.sh}  # RUNS=stub: a dry run
 source "${BASH_SOURCE%/*}/../cores.sh"
@@ -43,6 +43,10 @@ start_lane() {  # start_lane N GPUS DEPS STAGE...: lane N on GPUS (empty: every 
     run_stages $dir/out $(printf '%q ' "$@"); touch $dir/done" > $dir/stages.log 2>&1 < /dev/null &
 }
 pack() {
+  # the metrics of every job so far, a running one's too: a job the lease's end cuts still brings its steps home
+  for m in /tmp/runs/*/metrics.jsonl; do
+    [ -f "$m" ] && mkdir -p $RES/runs && cp "$m" "$RES/runs/$(basename "$(dirname "$m")")_metrics.jsonl"
+  done
   tar czf $OUT/.kernels.tgz --exclude='*.tgz*' -C $RES . 2>/dev/null; mv $OUT/.kernels.tgz $OUT/kernels.tgz  # whole or none
   if all_done && [ "${PACK_CACHE:-1}" = 1 ] && [ -d /tmp/compile_cache ]; then
     tar czf - -C /tmp compile_cache | split -b 15m - $OUT/compile_cache_kernels.tgz.part
