@@ -104,9 +104,10 @@ class CompileConfig:
     # worker, a replacement replica and --resume start warm; null: <logging.dir>/compile_cache for jobs.train,
     # torch's own (/tmp/torchinductor_<user>) elsewhere. Put it on shared storage on a multi-node cluster
     cache_dir: str | None = None
-    # Qwen-Image: the rotary embedding in real arithmetic in every process that compiles (inductor fuses it;
-    # diffusers' complex multiply runs as eager kernels inside the compiled blocks). The same numbers on the CPU to
-    # the last bit (app/models/qwen_image/rope.py); false: diffusers' own
+    # Qwen-Image and Z-Image: the rotary embedding in real arithmetic in every process that compiles (inductor fuses
+    # it; diffusers' complex multiply runs as eager kernels inside the compiled blocks, and Z-Image's autocast region
+    # kept its graphs out of AOTAutograd's cache). The same numbers on the CPU to the last bit
+    # (app/models/qwen_image/rope.py, app/models/z_image/rope.py); false: diffusers' own
     real_rope: bool = True
     # the trainer's compiled blocks: `full` checks every guard dynamo made at each call of each block; `lean` drops
     # those on module attributes a trainer never changes after its first step (hooks, types, constants), keeping

@@ -25,11 +25,11 @@ import torch
 
 
 def apply_rope_real(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D] rotated pairwise by freqs [S, D/2] (complex, or its `view_as_real` [S, D/2, 2]), computed in
-    float32, returned in x's dtype."""
+    """x [B, S, H, D] rotated pairwise by freqs [S, D/2] or [B, S, D/2] (complex, or its `view_as_real` [..., D/2, 2]),
+    computed in float32, returned in x's dtype (Z-Image's tables carry the batch: app/models/z_image/rope.py)."""
     if freqs.is_complex():
         freqs = torch.view_as_real(freqs)
-    c, d = freqs[:, None, :, 0], freqs[:, None, :, 1]  # [S, 1, D/2]: broadcast over heads
+    c, d = freqs[..., None, :, 0], freqs[..., None, :, 1]  # [(B,) S, 1, D/2]: broadcast over heads
     a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # the pairs' even and odd entries, [B, S, H, D/2]
     return torch.stack([a * c - b * d, b * c + a * d], dim=-1).flatten(-2).to(x.dtype)
 

@@ -49,6 +49,11 @@ class ZImage(DiffusersFamily):
     def compiled_blocks(self, denoiser):
         return list(denoiser.layers)
 
+    def prepare_compile(self, settings):
+        from app.models.z_image.rope import use_real_rope
+
+        use_real_rope(settings.real_rope)
+
     def vllm_omni_guidance(self, request):
         from app.models.z_image.model import MAX_SEQUENCE_LENGTH, default_sigmas
 
