@@ -188,8 +188,7 @@ def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: st
 
     import torch
 
-    settings = dynamo_settings(activation_memory_budget)
-    _settings_here(settings)
+    settings = dynamo_settings(activation_memory_budget)  # applied by each call (`run`), before dynamo reads them
     mode = None if mode in (None, "default") else str(mode)
     if guards not in ("full", "lean", "skip"):
         raise ValueError(f"guards={guards!r}: full, lean or skip")
@@ -198,7 +197,7 @@ def compile_blocks(blocks: Iterable[Any], *, backend: str = "inductor", mode: st
                              dynamic=True, options=options)
 
     def run(block, *args, **kwargs):
-        _settings_here(settings)  # in the calling thread, before dynamo reads them
+        _settings_here(settings)  # in the calling thread: a block compiles at its first call
         return compiled(block, *args, **kwargs)
 
     count = 0

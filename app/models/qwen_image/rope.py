@@ -1,18 +1,13 @@
 """Qwen-Image's rotary embedding in real arithmetic, so that inductor fuses it into the compiled blocks.
 
-diffusers rotates each interleaved pair (x[2k], x[2k+1]) of a query or key by the complex number freqs[s, k]
-(`apply_rotary_emb_qwen(use_real=False)`: x viewed as complex, multiplied, viewed back). Inductor generates no code
-for complex tensors and runs that multiply as eager kernels between the fused ones. The same rotation in reals,
-
-    out[2k]   = a·c − b·d        out[2k+1] = b·c + a·d        (a, b) = x's pair, (c, d) = (Re, Im) of freqs[s, k]
-
-with c and d read from diffusers' own table (not recomputed as cos and sin of the angle, which would round
-differently), in float32 as diffusers computes it, is the complex product to the last bit on the CPU (each output
-is one product minus or plus another: `a·c + (−b)·d` is `a·c − b·d` in IEEE arithmetic). vllm-omni rotates in reals
-already (its `RotaryEmbedding`, interleaved), so the rollout engines are unaffected.
+diffusers rotates each interleaved pair of a query or key by a complex number (`apply_rotary_emb_qwen(use_real=False)`:
+x viewed as complex, multiplied, viewed back); inductor generates no code for complex tensors and runs that multiply
+as eager kernels between the fused ones. `apply_rope_real` (app/models/rope.py) is the same rotation in reals, the
+complex product to the last bit on the CPU. vllm-omni rotates in reals already (its `RotaryEmbedding`, interleaved),
+so the rollout engines are unaffected.
 
 diffusers picks the rotation per device type from `ROPE_PER_DEVICE` at every attention call; `use_real_rope`
-points the CPU and CUDA entries at this function (or back at diffusers' own), and has the rope modules (outside
+points the CPU and CUDA entries at `apply_rope_real` (or back at diffusers' own), and has the rope modules (outside
 the compiled blocks) hand their tables on as real views, for every Qwen-Image transformer of the process: the
 trainer and the in-process engines each call it with their `model.compile` section.
 """
@@ -23,15 +18,7 @@ import functools
 
 import torch
 
-
-def apply_rope_real(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D] rotated pairwise by freqs [S, D/2] or [B, S, D/2] (complex, or its `view_as_real` [..., D/2, 2]),
-    computed in float32, returned in x's dtype (Z-Image's tables carry the batch: app/models/z_image/rope.py)."""
-    if freqs.is_complex():
-        freqs = torch.view_as_real(freqs)
-    c, d = freqs[..., None, :, 0], freqs[..., None, :, 1]  # [(B,) S, 1, D/2]: broadcast over heads
-    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # the pairs' even and odd entries, [B, S, H, D/2]
-    return torch.stack([a * c - b * d, b * c + a * d], dim=-1).flatten(-2).to(x.dtype)
+from app.models.rope import apply_rope_real
 
 
 def _real_tables(forward):

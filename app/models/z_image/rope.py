@@ -4,8 +4,8 @@ AOTAutograd's cache can hold their graphs.
 diffusers' Z-Image attention (`ZSingleStreamAttnProcessor`) rotates the queries and keys by complex multiplication
 inside `torch.amp.autocast("cuda", enabled=False)`: inductor runs the complex multiply as eager kernels, and the
 autocast region makes AOTAutograd bypass its cache for every block graph ("Unsupported call_function target
-_enter_autocast"), so every start traced them again. The same rotation in reals (`apply_rope_real`, Qwen-Image's:
-the complex product to the last bit on the CPU) needs neither. `use_real_rope` swaps the attention's call for one
+_enter_autocast"), so every start traced them again. The same rotation in reals (`app/models/rope.py`: the complex
+product to the last bit on the CPU) needs neither. `use_real_rope` swaps the attention's call for one
 that rotates so (the same steps otherwise: projections, norms, attention, output) and has the rope embedder hand
 its tables on as real views, for every Z-Image transformer of the process; the trainer and the in-process engines
 call it with their `model.compile` section. vllm-omni's Z-Image is its own model, unaffected.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from app.models.qwen_image.rope import apply_rope_real
+from app.models.rope import apply_rope_real
 
 
 def _real_rope_attention(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
