@@ -12,7 +12,8 @@ per setting the images/s (median of --repeats passes over every group) and a gro
 alone, the last pass), the share of ODE forwards that reused the cache or the FP8 weights' quantization a group, the
 reward's mean and spread over every image, and against the reference: the speed-ups, the mean of the per-image
 reward differences with its standard error (paired: same seeds), the seed-to-seed spread of the reference's rewards,
-and whether the log-probs of the groups whose window comes first (no cheaper step before it) are the reference's bit
+the learning signal's agreement (the run's group advantages from either setting's rewards: their correlation over every
+image and the share whose sign agrees; 1.0 and 1.0: the same update, to first order), and whether the log-probs of the groups whose window comes first (no cheaper step before it) are the reference's bit
 for bit.
 """
 
@@ -26,6 +27,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from app.algo.advantages import step_advantages
 from app.config import load
 from app.models.family import get_family
 from app.prompt_sets import load_prompts
@@ -61,6 +63,20 @@ def _rewards(reward, trajs) -> list[float]:
     return [x for t in trajs for x in reward.score(t.images, [t.prompt] * t.group_size).total]
 
 
+def _advantages(train, rewards: list[float], group_size: int) -> list[float]:
+    """The run's advantages (`step_advantages`, the config's std mode and clip) of the groups' rewards in order."""
+    groups = {g: rewards[g * group_size:(g + 1) * group_size] for g in range(len(rewards) // group_size)}
+    adv, _ = step_advantages(groups, std_mode=train.adv_std_mode, clip_max=train.adv_clip_max)
+    return [float(a) for g in sorted(adv) for a in adv[g]]
+
+
+def _agreement(a: list[float], b: list[float]) -> dict[str, float]:
+    """Two settings' advantages on the same images: correlation and the share of equal signs (0 counts as a sign)."""
+    corr = statistics.correlation(a, b) if statistics.pstdev(a) > 0 and statistics.pstdev(b) > 0 else float("nan")
+    same = sum((x > 0) == (y > 0) and (x < 0) == (y < 0) for x, y in zip(a, b, strict=True)) / len(a)
+    return {"advantage_corr": round(corr, 4), "advantage_sign_agreement": round(same, 4)}
+
+
 def bench(config, groups: int, thresholds: list[float], fp8: bool, repeats: int) -> dict:
     ro = config.rollout
     if ro.sde_window.size == 0 or ro.sde_window.size >= ro.num_inference_steps:
@@ -94,6 +110,9 @@ def bench(config, groups: int, thresholds: list[float], fp8: bool, repeats: int)
                           frames_every=config.reward.frames.every)
     scores = {s: _rewards(reward, trajs[s]) for s in settings}
     images = sum(r.n for r in requests)
+    if len({r.n for r in requests}) != 1:
+        raise SystemExit("bench_ode_steps: every group must have the same size (rollout.group_size)")
+    advantages = {s: _advantages(config.train, scores[s], requests[0].n) for s in settings}
     full_s, full = statistics.median(seconds[full_setting]), scores[full_setting]
     # groups whose window comes first: no cheaper step before it, so its log-probs must be the reference's bit for
     # bit (after a cheaper step the window starts elsewhere; the trainer's recompute is exact there too: the tests)
@@ -117,6 +136,7 @@ def bench(config, groups: int, thresholds: list[float], fp8: bool, repeats: int)
                "reward_shift": statistics.fmean(diffs),
                "reward_shift_se": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0,
                "reward_seed_std": result["full"]["reward_std"],
+               **_agreement(advantages[full_setting], advantages[setting]),
                "window_first_groups": len(window_first), "window_first_logprobs_exact": exact}
         if setting[0] is not None:
             row["ode_forwards_cached_share"] = round(cached / forwards, 3) if forwards else 0.0

@@ -131,6 +131,24 @@ def test_bench_ode_steps_prints_one_json_line(capfd, tiny_model_dir):
     assert fp8["window_first_logprobs_exact"] is True and fp8["reward_shift"] != 0.0
     assert fp8["fp8_quantize_s_per_group"] > 0 and "ode_forwards_cached_share" not in fp8
     assert result["full"]["denoise_s_per_group"] > 0 and fp8["denoise_speedup"] > 0
+    for row in (cached, fp8):  # the learning signal: advantages from either setting's rewards on the same images
+        assert -1.0 <= row["advantage_corr"] <= 1.0 and 0.0 <= row["advantage_sign_agreement"] <= 1.0
+
+
+def test_bench_ode_steps_advantage_agreement_is_the_runs_advantages_compared():
+    """The advantages come per group (the run's normalisation): a shift of one group's rewards changes nothing, a
+    swap of two images within a group flips both signs."""
+    from app.config import TrainConfig
+    from jobs.bench_ode_steps import _advantages, _agreement
+
+    train = TrainConfig()
+    full = [1.0, 2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0]
+    shifted = [x + 5.0 for x in full[:4]] + full[4:]
+    assert _agreement(_advantages(train, full, 4), _advantages(train, shifted, 4)) == {
+        "advantage_corr": 1.0, "advantage_sign_agreement": 1.0}
+    swapped = [4.0, 2.0, 3.0, 1.0] + full[4:]
+    got = _agreement(_advantages(train, full, 4), _advantages(train, swapped, 4))
+    assert got["advantage_sign_agreement"] == 0.75 and got["advantage_corr"] < 0.5
 
 
 @pytest.mark.parametrize("values", [[3.0], [1.0, 2.0], [5.0, 1.0, 4.0, 2.0, 3.0], [0.1 * i * i for i in range(37)]])

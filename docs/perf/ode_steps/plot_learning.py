@@ -24,6 +24,15 @@ def rewards(path: Path) -> dict[int, float]:
     return {r["step"]: r["reward/mean"] for r in rows}
 
 
+def default_title(folder: str) -> str:
+    """"one <GPU>, ..." from the lease's device.txt (nvidia-smi's CSV: its second line starts with the name)."""
+    try:
+        gpu = open(f"{folder}/device.txt").read().splitlines()[1].split(",")[0].strip()
+    except (OSError, IndexError):
+        gpu = "GPU not recorded"
+    return f"one {gpu}, Z-Image-Turbo recipe at real size (random weights), JPEG reward"
+
+
 def main(folder: str, title: str) -> None:
     d = Path(folder)
     runs = {label: rewards(d / f"{name}_metrics.jsonl") for label, name in RUNS.items()}
@@ -54,6 +63,6 @@ def main(folder: str, title: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder")
-    parser.add_argument("--title", default="one H200, Z-Image-Turbo recipe at real size (random weights), JPEG reward")
+    parser.add_argument("--title", default=None, help="default: the GPU named in FOLDER/device.txt, the recipe")
     args = parser.parse_args()
-    main(args.folder, args.title)
+    main(args.folder, args.title or default_title(args.folder))
