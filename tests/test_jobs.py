@@ -126,10 +126,10 @@ def test_bench_ode_steps_prints_one_json_line(capfd, tiny_model_dir):
     assert result["images"] == 8 and result["full"]["images_per_s"] > 0 and cached["speedup"] > 0
     # the ODE steps 1-3: the first runs every block, the other two reuse its residual
     assert cached["window_first_groups"] == 2 and cached["window_first_logprobs_exact"] is True
-    assert cached["ode_forwards_cached_share"] == 0.667 and "fp8_quantize_s_per_group" not in cached
+    assert cached["ode_forwards_cached_share"] == 0.667 and "fp8_quantize_s" not in cached
     assert cached["reward_shift"] != 0.0 and cached["reward_seed_std"] == result["full"]["reward_std"]
     assert fp8["window_first_logprobs_exact"] is True and fp8["reward_shift"] != 0.0
-    assert fp8["fp8_quantize_s_per_group"] > 0 and "ode_forwards_cached_share" not in fp8
+    assert fp8["fp8_quantize_s"] > 0 and "ode_forwards_cached_share" not in fp8
     assert result["full"]["denoise_s_per_group"] > 0 and fp8["denoise_speedup"] > 0
     for row in (cached, fp8):  # the learning signal: advantages from either setting's rewards on the same images
         assert -1.0 <= row["advantage_corr"] <= 1.0 and 0.0 <= row["advantage_sign_agreement"] <= 1.0

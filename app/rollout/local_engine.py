@@ -58,6 +58,17 @@ def _stop_if_cancelled(engine) -> None:
         raise GroupCancelled("the caller cancelled the group")
 
 
+def _beneath_peft(name: str, module: torch.nn.Module) -> str:
+    """A base weight's name as it stands in `module`: a layer a peft adapter wraps keeps it as `base_layer`."""
+    stem, _, leaf = name.rpartition(".")
+    wrapped = f"{stem}.base_layer.{leaf}"
+    try:
+        module.get_parameter(wrapped)
+    except AttributeError:
+        return name
+    return wrapped
+
+
 class LocalEngine:
     kind = "local"
     family = ""  # the model family (app/models/) a subclass serves
@@ -98,6 +109,9 @@ class LocalEngine:
         self._group_cancelled: threading.Event | None = None  # the running group's, set when its caller gives up
         self.phases = PhaseTimer()  # the group being generated: `with self.phases("denoise"): ...`
         self._ode_stats: dict[str, int] = {}  # the last group's cached ODE steps (`cheaper_ode_steps`)
+        # the module's weights change with a folded adapter and `update_weights`: the FP8 copy is remade only then
+        self._weights_generation = 0
+        self._fp8_generation: int | None = None  # the weights' generation the FP8 copy was made from
 
     @classmethod
     def from_config(cls, model, rollout) -> LocalEngine:
@@ -157,6 +171,7 @@ class LocalEngine:
                 module.requires_grad_(False)
                 if self.ode_fp8:
                     OdeStepFp8(module).quantize()
+                    self._fp8_generation = self._weights_generation
                 module.register_forward_pre_hook(lambda *_: _stop_if_cancelled(self))  # every denoising step
                 self.compiled = apply_compile(module, get_family(self.family), self.compile, inference=True) > 0
                 self.loaded = True
@@ -202,7 +217,8 @@ class LocalEngine:
             if self.ode_cache_threshold is not None:
                 cheaper.append(OdeStepCache(self.trained_module(), self.ode_cache_threshold))
             if self.ode_fp8:
-                cheaper.append(OdeStepFp8(self.trained_module()))
+                fresh = self._fp8_generation == self._weights_generation
+                cheaper.append(OdeStepFp8(self.trained_module(), fresh=fresh))
 
         def wrap(velocity):
             for way in cheaper:
@@ -215,6 +231,8 @@ class LocalEngine:
             for way in cheaper:
                 way.close()
                 self._ode_stats.update(way.stats())
+                if isinstance(way, OdeStepFp8) and way.fresh:
+                    self._fp8_generation = self._weights_generation
 
     def sample(self, request: GenerationRequest) -> Trajectory:
         """`generate` for synchronous code in one process (no event loop): the single-GPU baseline."""
@@ -258,6 +276,7 @@ class LocalEngine:
         started = time.perf_counter()
         (adapter,) = staged
         if self._merged is not None:
+            self._weights_generation += 1  # before: a failure halfway changed them too
             try:
                 self._merged.apply(adapter)
             except Exception:
@@ -302,14 +321,18 @@ class LocalEngine:
             with self._lock:
                 self._apply_staged()  # an adapter published before these weights applies to the old ones first
                 state = {transformer_key(k): v for k, v in named_tensors.items()}
+                self._weights_generation += 1
                 if self._merged is not None:  # the new weights are the base the adapter is folded into
                     unknown = self._merged.load_base(state)
                     if unknown:
                         raise ValueError(f"unknown transformer weights: {unknown[:3]}")
                     return len(state)
-                result = self.trained_module().load_state_dict(state, strict=False)
-                if result.unexpected_keys:
-                    raise ValueError(f"unknown transformer weights: {result.unexpected_keys[:3]}")
+                module = self.trained_module()
+                state = {_beneath_peft(k, module): v for k, v in state.items()}
+                unknown = sorted(set(state) - set(module.state_dict()))
+                if unknown:  # before any is written: a bad name changes nothing
+                    raise ValueError(f"unknown transformer weights: {unknown[:3]}")
+                module.load_state_dict(state, strict=False)
                 return len(state)
 
         return await asyncio.to_thread(load)

@@ -8,16 +8,16 @@ the reward distribution against the full computation.
 Two ways, either or both: FP8 matmuls (`precision: fp8`) in the transformer blocks' linear layers, and diffusers'
 First Block Cache (`cache: first_block`).
 
-FP8: the blocks' linear layers (a LoRA's base layer included, its small A and B kept at the model's dtype) multiply in
-float8 e4m3 through `torch._scaled_mm`, the weights scaled per output channel, the activations per row as they come
-(the scaling torchao's rowwise float8 uses). The weights' FP8 copy is made again at every group's first ODE step (an
-adapter folded into the weights changes them between groups), in place in buffers kept on the layers: a replica holds
-half its blocks' bf16 bytes more. A layer whose features are not multiples of 16 (what the GPU kernels take) stays as
-it is. The layers become `Fp8OdeLinear` (an nn.Linear whose forward reads one switch) when their FP8 weights are
-first made, before any compilation: compiled blocks guard on the switch's value, so every block shares one graph
-with it on and one with it off (a forward swapped in per layer was guarded by its identity: a graph per block, past
-dynamo's limit, and eager from there on: 0.63x the model's precision in a Z-Image job on one H100). Off the ODE
-steps their forward is nn.Linear's.
+FP8: the blocks' linear layers (a LoRA's base layer included, its small A and B kept at the model's dtype) multiply
+in float8 e4m3 through `torch._scaled_mm`, the weights scaled per output channel, the activations per row as they
+come (the scaling torchao's rowwise float8 uses). The weights' FP8 copy is made at the engine's load and again at the
+first ODE step of a group whose weights changed since (an adapter folded into them, new base weights: the engine
+counts those), in place in buffers kept on the layers: a replica holds half its blocks' bf16 bytes more. A layer
+whose features are not multiples of 16 (what the GPU kernels take) stays as it is. The layers become `Fp8OdeLinear`
+(an nn.Linear whose forward reads one switch) when their FP8 weights are first made, before any compilation: compiled
+blocks guard on the switch's value, so every block shares one graph with it on and one with it off (a forward swapped
+in per layer was guarded by its identity: a graph per block, past dynamo's limit, and eager from there on: 0.63x the
+model's precision in a Z-Image job on one H100). Off the ODE steps their forward is nn.Linear's.
 
 The cache: diffusers' First Block Cache (ParaAttention's dynamic caching, the idea of TeaCache): on an ODE step
 the first transformer block runs, and when its residual moved less than `threshold` (mean absolute change relative
@@ -134,15 +134,17 @@ def _blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 class OdeStepFp8(OdeStepSwitch):
     """FP8 matmuls in `transformer`'s block linear layers during the ODE steps of one group."""
 
-    def __init__(self, transformer: torch.nn.Module):
+    def __init__(self, transformer: torch.nn.Module, fresh: bool = False):
+        """fresh: the layers' FP8 weights were made from the weights as they stand (no remaking at the first ODE
+        step)."""
         self.layers = [layer for block in _blocks(transformer) for name, layer in block.named_modules()
                        if type(layer) in (torch.nn.Linear, Fp8OdeLinear) and "lora_" not in name
                        and layer.in_features % 16 == 0 and layer.out_features % 16 == 0]
         if not self.layers:
             raise ValueError(f"rollout.ode_steps.precision=fp8: {type(transformer).__name__}'s blocks have no linear "
                              "layer whose features are multiples of 16")
-        self.quantize_s = 0.0  # this group's weight quantization (once, at its first ODE step)
-        self._fresh = False
+        self.quantize_s = 0.0  # this group's weight quantization (once, at its first ODE step, unless fresh)
+        self.fresh = fresh
 
     def quantize(self) -> None:
         """The layers' FP8 weights from their weights as they stand. At the engine's load too: the buffers join the
@@ -159,9 +161,9 @@ class OdeStepFp8(OdeStepSwitch):
         return {"ode_fp8_layers": len(self.layers), "ode_fp8_quantize_s": round(self.quantize_s, 4)}
 
     def _switch(self, on: bool) -> None:
-        if on and not self._fresh:
+        if on and not self.fresh:
             self.quantize()
-            self._fresh = True
+            self.fresh = True
         for layer in self.layers:
             layer.ode_fp8 = on
 

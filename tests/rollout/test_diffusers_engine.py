@@ -125,3 +125,28 @@ def test_an_engine_that_merges_samples_what_the_adapter_samples(diffusers_engine
     assert set(groups["merged"].producer["phase_s"]) == {"encode", "denoise", "decode"}  # where its time went
     assert reloaded.lora_version == 3 and not torch.equal(reloaded.latents, groups["merged"].latents)
     assert not any(p.requires_grad for p in module.parameters())
+
+
+def test_new_weights_reach_an_adapted_layer_and_a_bad_name_changes_nothing(tiny_model_dir, aio):
+    """`update_weights` on an engine holding a peft adapter: a layer the adapter wraps takes its weight by the base
+    model's name (peft keeps it as `base_layer`); a set with one unknown name is refused whole, before any weight
+    is written."""
+    request = GenerationRequest("a red cube", n=2, height=64, width=64, num_inference_steps=2, noise_level=0.7,
+                                sde_type="sde", seed=1)
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
+    name = "transformer_blocks.0.attn.to_q.weight"
+    doubled = 2.0 * transformer.transformer_blocks[0].attn.to_q.weight.detach()
+    engine = DiffusersEngine(tiny_model_dir, lora=LoraShape(4, 4.0, ("to_q",)))
+    aio(engine.start())
+    try:
+        before = aio(engine.generate(request))
+        with pytest.raises(ValueError, match=r"unknown transformer weights: \['transformer_blocks.0.attn.nowhere"):
+            aio(engine.update_weights({name: doubled, "transformer_blocks.0.attn.nowhere.weight": doubled}))
+        refused = aio(engine.generate(request))
+        assert aio(engine.update_weights({name: doubled})) == 1
+        updated = aio(engine.generate(request))
+        held = engine.trained_module().transformer_blocks[0].attn.to_q.base_layer.weight
+    finally:
+        aio(engine.close())
+    assert torch.equal(refused.latents, before.latents) and not torch.equal(updated.latents, before.latents)
+    assert torch.equal(held, doubled)

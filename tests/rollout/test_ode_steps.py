@@ -100,8 +100,6 @@ def test_ode_steps_fp8_linear_matches_a_float64_reference():
 def test_ode_steps_fp8_leave_the_window_exact(diffusers_engine, aio, tiny_model_dir):
     """FP8 on the ODE steps after the window: the window's transitions, its log-probs and the trainer's recompute are
     the full computation's bit for bit; the ODE steps' latents move; the layers are the plain modules again after."""
-    from app.rollout.ode_steps import fp8_linear_forward
-
     req = request(sde_window=(0, 2))
     full, fp8 = sample(diffusers_engine, aio, req, None), sample(diffusers_engine, aio, req, None, fp8=True)
     assert torch.equal(fp8.latents[:, :3], full.latents[:, :3]) and torch.equal(fp8.log_probs, full.log_probs)
@@ -109,8 +107,7 @@ def test_ode_steps_fp8_leave_the_window_exact(diffusers_engine, aio, tiny_model_
     assert fp8.producer["ode_fp8_layers"] > 0 and "ode_fp8_layers" not in full.producer
     assert torch.equal(trainer_log_probs(tiny_model_dir, fp8, range(2)), fp8.log_probs[:, :2])
     module = diffusers_engine.trained_module()
-    left = [m for m in module.modules() if getattr(vars(m).get("forward"), "func", None) is fp8_linear_forward]
-    assert not left  # no layer keeps its FP8 forward
+    assert not any(getattr(m, "ode_fp8", False) for m in module.modules())  # every layer's switch off again
     again = sample(diffusers_engine, aio, req, None)
     assert torch.equal(again.latents, full.latents)
 
@@ -125,6 +122,46 @@ def test_ode_steps_fp8_before_the_window_keep_the_first_pass_exact(diffusers_eng
     assert not torch.equal(both.log_probs[:, 2:], full.log_probs[:, 2:])
     assert both.producer["ode_forwards_cached"] == 1 and both.producer["ode_fp8_layers"] > 0
     assert torch.equal(trainer_log_probs(tiny_model_dir, both, range(2, 4)), both.log_probs[:, 2:])
+
+
+@pytest.mark.parametrize("merge_lora", [None, "device"])
+def test_ode_steps_fp8_weights_are_remade_only_when_the_weights_change(tiny_model_dir, aio, merge_lora):
+    """The FP8 copy is made at the load and remade at the first ODE step of a group after the weights changed (an
+    adapter folded into them, new base weights), never otherwise: such a group samples exactly what a copy made
+    from the weights as they stand gives; a peft adapter beside the weights changes nothing to remake."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from app.models.lora import LoraShape, random_lora
+    from app.rollout.diffusers_engine import DiffusersEngine
+    from app.rollout.ode_steps import OdeStepFp8
+
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer")
+    adapter = random_lora(transformer, version=1, rank=4, target_modules=["to_q", "img_mlp.net.2"], seed=3, scale=0.5)
+    engine = DiffusersEngine(tiny_model_dir, lora=LoraShape(4, 4.0, ("to_q", "img_mlp.net.2")), merge_lora=merge_lora)
+    engine.ode_fp8 = True
+    req = request(sde_window=(0, 2))
+
+    def remade_copy():  # the group again with a copy made now from the weights as they stand
+        OdeStepFp8(engine.trained_module()).quantize()
+        return aio(engine.generate(req))
+
+    try:
+        aio(engine.start())
+        first, second = aio(engine.generate(req)), aio(engine.generate(req))
+        assert first.producer["ode_fp8_quantize_s"] == 0 == second.producer["ode_fp8_quantize_s"]
+        assert torch.equal(first.latents, second.latents)
+        aio(engine.load_lora(adapter))
+        swapped = aio(engine.generate(req))
+        assert (swapped.producer["ode_fp8_quantize_s"] > 0) == (merge_lora is not None)
+        assert torch.equal(swapped.latents, remade_copy().latents)
+        to_q = transformer.transformer_blocks[0].attn.to_q.weight
+        assert aio(engine.update_weights({"transformer_blocks.0.attn.to_q.weight": 1.5 * to_q})) == 1
+        reloaded = aio(engine.generate(req))
+        assert reloaded.producer["ode_fp8_quantize_s"] > 0
+        assert torch.equal(reloaded.latents, remade_copy().latents)
+        assert aio(engine.generate(req)).producer["ode_fp8_quantize_s"] == 0
+    finally:
+        aio(engine.close())
 
 
 def test_ode_steps_config_refuses_what_it_cannot_do():
