@@ -5,7 +5,7 @@
 # installed (docs/perf/vllm_omni/README.md, "A lease"):
 #   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sdpacheck | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE | loop MODE
 #                                        | trainstep FAMILY | job FAMILY,NAME,STEPS | odesteps FAMILY
-#                                        | serving FAMILY
+#                                        | serving FAMILY | fp8linear [FAMILY]
 # FAMILY: qwen_image | sd3 | bagel | flux | z_image | wan (videos: a group of 8 at 480p, 33 frames); ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
 # (vllm-omni: its regional torch.compile, the adapter in vLLM's LoRA layers; ours: compiled blocks, the adapter
 # folded in where the config folds it) | merged (vllm-omni compiled with the adapter folded in: rollout.merge_lora)
@@ -137,5 +137,8 @@ case "$1" in
       grep -E "\[flowgrpo\] step|Error" "$OUT/$name.log" | tail -n 12
       [ $code = 0 ] || [ "${RETRY_NOCUDNN:-0}" != 1 ] && break
     done ;;
+  fp8linear)  # [FAMILY] one linear layer at the blocks' shapes, bf16 against FP8's ways (docs/perf/ode_steps/fp8_linear_bench.py)
+    timeout ${BENCH_TIMEOUT:-300} python docs/perf/ode_steps/fp8_linear_bench.py ${2:+--family $2} > "$OUT/fp8_linear.jsonl" \
+      2> "$OUT/fp8_linear.err"; echo "fp8linear: exit $?"; cut -c1-400 "$OUT/fp8_linear.jsonl" ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
