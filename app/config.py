@@ -183,6 +183,11 @@ class OdeStepsConfig:
     # "model" (the model's dtype) or "fp8": the blocks' linear layers multiply in float8 e4m3 on those steps (GPUs of
     # compute capability 8.9 or newer: Ada, Hopper, Blackwell; the CPU's FP8 GEMM for the tests). Either or both
     precision: str = "model"
+    # FP8's scales (precision fp8 only): "rowwise" (each activation row and weight channel its own, torchao's
+    # rowwise) or "tensorwise" (one for each operand); and the GEMM's faster accumulation on Hopper (torchao's
+    # forward uses it), less precise
+    fp8_scaling: str = "rowwise"
+    fp8_fast_accum: bool = False
 
 
 @dataclass
@@ -698,12 +703,17 @@ _SECTION_KEYS = {"n": "group_size"}
 
 
 def _check_ode_steps(rollout: RolloutConfig) -> None:
-    from app.rollout.ode_steps import CACHES, PRECISIONS
+    from app.rollout.ode_steps import CACHES, PRECISIONS, SCALINGS
 
     ode = rollout.ode_steps
     _require(ode.cache in CACHES, f"rollout.ode_steps.cache={ode.cache!r}: use one of {list(CACHES)}")
     _require(ode.precision in PRECISIONS,
              f"rollout.ode_steps.precision={ode.precision!r}: use one of {list(PRECISIONS)}")
+    _require(ode.fp8_scaling in SCALINGS,
+             f"rollout.ode_steps.fp8_scaling={ode.fp8_scaling!r}: use one of {list(SCALINGS)}")
+    _require(ode.precision == "fp8" or (ode.fp8_scaling == "rowwise" and not ode.fp8_fast_accum),
+             f"rollout.ode_steps.fp8_scaling={ode.fp8_scaling}, fp8_fast_accum={ode.fp8_fast_accum}: they shape "
+             "FP8 matmuls: set rollout.ode_steps.precision=fp8 too, or leave them at rowwise and false")
     on = [f"{key}={value}" for key, value, off in (("cache", ode.cache, "none"), ("precision", ode.precision, "model"))
           if value != off]
     if not on:

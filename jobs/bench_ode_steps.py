@@ -4,6 +4,7 @@ rollout's speed, the reward's distribution, and the window's exactness.
     python -m jobs.bench_ode_steps --config configs/tiny_cpu.yaml rollout.engine=diffusers rollout.sde_window.size=2
     python -m jobs.bench_ode_steps --config configs/qwen_image_ocr_2gpu.yaml --groups 8 model.path=DIR \
         rollout.engine=diffusers --thresholds 0.05 0.1 --fp8
+    (FP8's kernel: rollout.ode_steps.precision=fp8 rollout.ode_steps.fp8_scaling=tensorwise / fp8_fast_accum=true)
 
 The run's prompts, groups and SDE windows (`group_request`, the run's seed, training step 0), sampled by the
 in-process diffusers engine once at full cost (the reference), once per First Block Cache threshold and, with --fp8,
@@ -32,7 +33,7 @@ from app.config import load
 from app.models.family import get_family
 from app.prompt_sets import load_prompts
 from app.rewards import build_reward
-from app.rollout.ode_steps import OdeStepFp8, check_fp8_device
+from app.rollout.ode_steps import check_fp8_device
 from app.train.prompts import group_request, step_prompts
 from deployments.reward import reward_options
 from deployments.rollout import make_engine
@@ -65,7 +66,7 @@ def _rewards(reward, trajs) -> list[float]:
 
 def _quantize_s(engine) -> float:
     """Seconds one remaking of the FP8 weights takes (the weights here never change between groups: no group pays)."""
-    fp8 = OdeStepFp8(engine.trained_module())
+    fp8 = engine.fp8_step(engine.trained_module())
     fp8.quantize()
     return round(fp8.quantize_s, 4)
 
@@ -149,6 +150,7 @@ def bench(config, groups: int, thresholds: list[float], fp8: bool, repeats: int)
             row["ode_forwards_cached_share"] = round(cached / forwards, 3) if forwards else 0.0
         if setting[1]:  # a run pays it at the first group after each change of the weights (a folded adapter)
             row["fp8_quantize_s"] = _quantize_s(engine)
+            row["fp8_scaling"], row["fp8_fast_accum"] = engine.ode_fp8_scaling, engine.ode_fp8_fast_accum
         result[_name(setting)] = row
     return result
 

@@ -130,6 +130,7 @@ def test_bench_ode_steps_prints_one_json_line(capfd, tiny_model_dir):
     assert cached["reward_shift"] != 0.0 and cached["reward_seed_std"] == result["full"]["reward_std"]
     assert fp8["window_first_logprobs_exact"] is True and fp8["reward_shift"] != 0.0
     assert fp8["fp8_quantize_s"] > 0 and "ode_forwards_cached_share" not in fp8
+    assert (fp8["fp8_scaling"], fp8["fp8_fast_accum"]) == ("rowwise", False)
     assert result["full"]["denoise_s_per_group"] > 0 and fp8["denoise_speedup"] > 0
     for row in (cached, fp8):  # the learning signal: advantages from either setting's rewards on the same images
         assert -1.0 <= row["advantage_corr"] <= 1.0 and 0.0 <= row["advantage_sign_agreement"] <= 1.0

@@ -76,6 +76,8 @@ class LocalEngine:
     ode_cache_threshold: float | None = None
     # `rollout.ode_steps.precision: fp8`: FP8 matmuls in the blocks on those steps
     ode_fp8: bool = False
+    ode_fp8_scaling: str = "rowwise"  # `rollout.ode_steps.fp8_scaling`
+    ode_fp8_fast_accum: bool = False  # `rollout.ode_steps.fp8_fast_accum`
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str = "float32", device: str | None = None,
                  compile=None, lora: LoraShape | None = None, merge_lora: str | None = None,
@@ -111,7 +113,7 @@ class LocalEngine:
         self._ode_stats: dict[str, int] = {}  # the last group's cached ODE steps (`cheaper_ode_steps`)
         # the module's weights change with a folded adapter and `update_weights`: the FP8 copy is remade only then
         self._weights_generation = 0
-        self._fp8_generation: int | None = None  # the weights' generation the FP8 copy was made from
+        self._fp8_made: tuple | None = None  # the weights' generation, scaling and accumulation of the FP8 copy
 
     @classmethod
     def from_config(cls, model, rollout) -> LocalEngine:
@@ -122,6 +124,8 @@ class LocalEngine:
         if rollout.ode_steps.cache == "first_block":
             engine.ode_cache_threshold = rollout.ode_steps.threshold
         engine.ode_fp8 = rollout.ode_steps.precision == "fp8"
+        engine.ode_fp8_scaling = rollout.ode_steps.fp8_scaling
+        engine.ode_fp8_fast_accum = rollout.ode_steps.fp8_fast_accum
         return engine
 
     # ---- what a subclass provides ----------------------------------------------------------------------------
@@ -170,8 +174,8 @@ class LocalEngine:
                     add_zero_lora(module, self.lora)
                 module.requires_grad_(False)
                 if self.ode_fp8:
-                    OdeStepFp8(module).quantize()
-                    self._fp8_generation = self._weights_generation
+                    self.fp8_step(module).quantize()
+                    self._fp8_made = self._fp8_wanted()
                 module.register_forward_pre_hook(lambda *_: _stop_if_cancelled(self))  # every denoising step
                 self.compiled = apply_compile(module, get_family(self.family), self.compile, inference=True) > 0
                 self.loaded = True
@@ -217,8 +221,8 @@ class LocalEngine:
             if self.ode_cache_threshold is not None:
                 cheaper.append(OdeStepCache(self.trained_module(), self.ode_cache_threshold))
             if self.ode_fp8:
-                fresh = self._fp8_generation == self._weights_generation
-                cheaper.append(OdeStepFp8(self.trained_module(), fresh=fresh))
+                fresh = self._fp8_made == self._fp8_wanted()
+                cheaper.append(self.fp8_step(self.trained_module(), fresh=fresh))
 
         def wrap(velocity):
             for way in cheaper:
@@ -232,7 +236,14 @@ class LocalEngine:
                 way.close()
                 self._ode_stats.update(way.stats())
                 if isinstance(way, OdeStepFp8) and way.fresh:
-                    self._fp8_generation = self._weights_generation
+                    self._fp8_made = (self._weights_generation, way.scaling, way.fast_accum)
+
+    def _fp8_wanted(self) -> tuple:
+        return self._weights_generation, self.ode_fp8_scaling, self.ode_fp8_fast_accum
+
+    def fp8_step(self, module: torch.nn.Module, fresh: bool = False) -> OdeStepFp8:
+        """FP8 ODE steps on `module` with this engine's scaling and accumulation (`rollout.ode_steps`)."""
+        return OdeStepFp8(module, fresh=fresh, scaling=self.ode_fp8_scaling, fast_accum=self.ode_fp8_fast_accum)
 
     def sample(self, request: GenerationRequest) -> Trajectory:
         """`generate` for synchronous code in one process (no event loop): the single-GPU baseline."""

@@ -10,7 +10,8 @@ First Block Cache (`cache: first_block`).
 
 FP8: the blocks' linear layers (a LoRA's base layer included, its small A and B kept at the model's dtype) multiply
 in float8 e4m3 through `torch._scaled_mm`, the weights scaled per output channel, the activations per row as they
-come (the scaling torchao's rowwise float8 uses). The weights' FP8 copy is made at the engine's load and again at the
+come (the scaling torchao's rowwise float8 uses; `fp8_scaling: tensorwise`: one scale an operand, `fp8_fast_accum`:
+the GEMM's faster accumulation). The weights' FP8 copy is made at the engine's load and again at the
 first ODE step of a group whose weights changed since (an adapter folded into them, new base weights: the engine
 counts those), in place in buffers kept on the layers: a replica holds half its blocks' bf16 bytes more. A layer
 whose features are not multiples of 16 (what the GPU kernels take) stays as it is. The layers become `Fp8OdeLinear`
@@ -36,6 +37,7 @@ import torch
 
 CACHES = ("none", "first_block")  # "none", not "off": YAML reads off as false
 PRECISIONS = ("model", "fp8")  # the model's own dtype, or FP8 matmuls in the blocks
+SCALINGS = ("rowwise", "tensorwise")  # FP8's scales: per activation row and weight channel, or one per tensor
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 
@@ -134,9 +136,14 @@ def _blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 class OdeStepFp8(OdeStepSwitch):
     """FP8 matmuls in `transformer`'s block linear layers during the ODE steps of one group."""
 
-    def __init__(self, transformer: torch.nn.Module, fresh: bool = False):
-        """fresh: the layers' FP8 weights were made from the weights as they stand (no remaking at the first ODE
-        step)."""
+    def __init__(self, transformer: torch.nn.Module, fresh: bool = False, scaling: str = "rowwise",
+                 fast_accum: bool = False):
+        """fresh: the layers' FP8 weights were made from the weights as they stand, with this scaling (no remaking at
+        the first ODE step); scaling: one of SCALINGS; fast_accum: the GEMM's faster, less precise accumulation
+        (Hopper's; torchao's forward uses it)."""
+        if scaling not in SCALINGS:
+            raise ValueError(f"FP8 scaling {scaling!r}: use one of {list(SCALINGS)}")
+        self.scaling, self.fast_accum = scaling, fast_accum
         self.layers = [layer for block in _blocks(transformer) for name, layer in block.named_modules()
                        if type(layer) in (torch.nn.Linear, Fp8OdeLinear) and "lora_" not in name
                        and layer.in_features % 16 == 0 and layer.out_features % 16 == 0]
@@ -152,7 +159,7 @@ class OdeStepFp8(OdeStepSwitch):
         began = time.perf_counter()
         with torch.no_grad():
             for layer in self.layers:
-                _quantize_weight(layer)
+                _quantize_weight(layer, self.scaling, self.fast_accum)
         if self.layers[0].weight.is_cuda:
             torch.cuda.synchronize(self.layers[0].weight.device)
         self.quantize_s += time.perf_counter() - began
@@ -176,6 +183,12 @@ def check_fp8_device(device: torch.device) -> None:
                          "need 8.9 or newer (L4, L40S, H100, H200, B200): use rollout.ode_steps.precision=model")
 
 
+def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`t` in float8 e4m3, its float32 scale, one number): t ≈ q * scale, its largest magnitude at FP8's max."""
+    scale = t.abs().amax().float().clamp(min=1e-12) / FP8_MAX
+    return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(`t` in float8 e4m3, its float32 scale per row): t ≈ q * scale, each row's largest magnitude at FP8's max."""
     scale = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
@@ -191,25 +204,31 @@ class Fp8OdeLinear(torch.nn.Linear):
         return super().forward(x)
 
 
-def _quantize_weight(layer: torch.nn.Linear) -> None:
-    """The layer's FP8 weight and per-channel scale, written into the buffers it keeps for them."""
-    q, scale = quantize_rows(layer.weight.detach())
-    if getattr(layer, "_ode_fp8_weight", None) is None:
-        layer._ode_fp8_weight, layer._ode_fp8_scale = q, scale.t().contiguous()  # the scale as [1, out]
-        layer.__class__, layer.ode_fp8 = Fp8OdeLinear, False  # the switch on the instance from the start
+def _quantize_weight(layer: torch.nn.Linear, scaling: str = "rowwise", fast_accum: bool = False) -> None:
+    """The layer's FP8 weight and its scale (per output channel, or one), written into the buffers it keeps for
+    them; the scaling and accumulation its FP8 forward then uses."""
+    rowwise = scaling == "rowwise"
+    q, scale = quantize_rows(layer.weight.detach()) if rowwise else quantize_tensor(layer.weight.detach())
+    scale = scale.t().contiguous() if rowwise else scale  # rowwise: the scale as [1, out]
+    if getattr(layer, "_ode_fp8_weight", None) is None or layer._ode_fp8_scale.shape != scale.shape:
+        layer._ode_fp8_weight, layer._ode_fp8_scale = q, scale
+        if type(layer) is not Fp8OdeLinear:
+            layer.__class__, layer.ode_fp8 = Fp8OdeLinear, False  # the switch on the instance from the start
     else:
         layer._ode_fp8_weight.copy_(q)
-        layer._ode_fp8_scale.copy_(scale.t())
+        layer._ode_fp8_scale.copy_(scale)
+    layer._ode_fp8_rowwise, layer._ode_fp8_fast_accum = rowwise, fast_accum
 
 
 def fp8_linear_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` with an FP8 matmul: x quantized per row, the weight per output channel (`_quantize_weight`)."""
+    """`layer(x)` with an FP8 matmul: x quantized per row and the weight per output channel, or each with one scale
+    (`_quantize_weight`)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    q, scale = quantize_rows(rows)
+    q, scale = quantize_rows(rows) if layer._ode_fp8_rowwise else quantize_tensor(rows)
     # CUDA's rowwise-scaled FP8 GEMM writes bf16 only; the CPU's writes the input's dtype
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     y = torch._scaled_mm(q, layer._ode_fp8_weight.t(), scale_a=scale, scale_b=layer._ode_fp8_scale,
-                         out_dtype=out_dtype).to(x.dtype)
+                         out_dtype=out_dtype, use_fast_accum=layer._ode_fp8_fast_accum).to(x.dtype)
     if layer.bias is not None:
         y = y + layer.bias
     return y.reshape(*x.shape[:-1], layer.out_features)

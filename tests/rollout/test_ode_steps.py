@@ -97,6 +97,52 @@ def test_ode_steps_fp8_linear_matches_a_float64_reference():
     assert relative.max() < 0.1 and relative.max() > 0  # e4m3 keeps 3 mantissa bits: a few per cent, never zero
 
 
+def test_ode_steps_fp8_tensorwise_linear_matches_a_float64_reference():
+    """With one scale an operand (`fp8_scaling: tensorwise`, fast accumulation asked) the layer's output is still the
+    float64 product of its quantized operands and close to the exact one on even data; on rows and channels of very
+    different sizes the one scale flushes the small ones, which rowwise keeps (why rowwise is the default)."""
+    from app.rollout.ode_steps import _quantize_weight, fp8_linear_forward, quantize_tensor
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    x = torch.randn(2, 5, 64)
+    _quantize_weight(layer, "tensorwise", fast_accum=True)
+    assert layer._ode_fp8_scale.shape == () and layer._ode_fp8_fast_accum
+    got = fp8_linear_forward(layer, x)
+    qx, sx = quantize_tensor(x.reshape(-1, 64))
+    dequantized = (qx.double() * sx.double()) @ (layer._ode_fp8_weight.double() * layer._ode_fp8_scale.double()).t()
+    reference = (dequantized + layer.bias.double()).reshape(2, 5, 48)
+    assert torch.allclose(got.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().amax().item())
+    exact = x.double() @ layer.weight.double().t() + layer.bias.double()
+    assert ((got.double() - exact).norm(dim=-1) / exact.norm(dim=-1)).max() < 0.1
+
+    uneven, errors = x * torch.logspace(-3, 3, 5).view(1, 5, 1), {}
+    exact = uneven.double() @ layer.weight.double().t()  # the product alone: the bias would hide a flushed row
+    for scaling in ("rowwise", "tensorwise"):
+        _quantize_weight(layer, scaling)
+        product = fp8_linear_forward(layer, uneven).double() - layer.bias.double()
+        errors[scaling] = ((product - exact).norm(dim=-1) / exact.norm(dim=-1)).max()
+    assert errors["rowwise"] < 0.1 < errors["tensorwise"]
+
+
+def test_ode_steps_fp8_scalings_keep_the_window_and_the_first_pass_exact(diffusers_engine, aio, tiny_model_dir):
+    """Tensorwise FP8 with fast accumulation before the window: other ODE states than rowwise's, the trainer's
+    recompute on them still exact; a change of the scaling remakes the FP8 weights, and back to rowwise samples
+    rowwise's states bit for bit."""
+    req = request(sde_window=(2, 4))
+    rowwise = sample(diffusers_engine, aio, req, None, fp8=True)
+    diffusers_engine.ode_fp8_scaling, diffusers_engine.ode_fp8_fast_accum = "tensorwise", True
+    try:
+        tensorwise = sample(diffusers_engine, aio, req, None, fp8=True)
+    finally:
+        diffusers_engine.ode_fp8_scaling, diffusers_engine.ode_fp8_fast_accum = "rowwise", False
+    again = sample(diffusers_engine, aio, req, None, fp8=True)
+    assert tensorwise.producer["ode_fp8_quantize_s"] > 0 and again.producer["ode_fp8_quantize_s"] > 0
+    assert not torch.equal(tensorwise.latents[:, 1], rowwise.latents[:, 1])
+    assert torch.equal(trainer_log_probs(tiny_model_dir, tensorwise, range(2, 4)), tensorwise.log_probs[:, 2:])
+    assert torch.equal(again.latents, rowwise.latents)
+
+
 def test_ode_steps_fp8_leave_the_window_exact(diffusers_engine, aio, tiny_model_dir):
     """FP8 on the ODE steps after the window: the window's transitions, its log-probs and the trainer's recompute are
     the full computation's bit for bit; the ODE steps' latents move; the layers are the plain modules again after."""
@@ -175,11 +221,20 @@ def test_ode_steps_config_refuses_what_it_cannot_do():
             (["rollout.ode_steps.cache=none", "rollout.ode_steps.precision=int4"],
              "rollout.ode_steps.precision='int4': use one of"),
             (["rollout.ode_steps.cache=none", "rollout.ode_steps.precision=fp8", "rollout.engine=vllm_omni"],
-             "rollout.ode_steps.precision=fp8: the in-process diffusers engines")):
+             "rollout.ode_steps.precision=fp8: the in-process diffusers engines"),
+            (["rollout.ode_steps.precision=fp8", "rollout.ode_steps.fp8_scaling=blockwise"],
+             "rollout.ode_steps.fp8_scaling='blockwise': use one of"),
+            (["rollout.ode_steps.fp8_scaling=tensorwise"], "set rollout.ode_steps.precision=fp8 too"),
+            (["rollout.ode_steps.fp8_fast_accum=true"], "set rollout.ode_steps.precision=fp8 too")):
         with pytest.raises(ConfigError, match=message):
             load("configs/tiny_cpu.yaml", base + changes)
     fp8 = load("configs/tiny_cpu.yaml", base + ["rollout.ode_steps.precision=fp8"])
-    assert fp8.rollout.ode_steps.precision == "fp8"
+    assert fp8.rollout.ode_steps.precision == "fp8" and fp8.rollout.ode_steps.fp8_scaling == "rowwise"
+    tensorwise = load("configs/tiny_cpu.yaml", base + ["rollout.ode_steps.precision=fp8",
+                                                       "rollout.ode_steps.fp8_scaling=tensorwise",
+                                                       "rollout.ode_steps.fp8_fast_accum=true"])
+    assert (tensorwise.rollout.ode_steps.fp8_scaling, tensorwise.rollout.ode_steps.fp8_fast_accum) == ("tensorwise",
+                                                                                                      True)
     assert load("configs/tiny_cpu.yaml").rollout.ode_steps.cache == "none"  # off by default
     assert load("configs/tiny_cpu.yaml").rollout.ode_steps.precision == "model"
 

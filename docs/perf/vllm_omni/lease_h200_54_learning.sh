@@ -12,10 +12,12 @@
 # the model's precision, FP8 and lr 0 on train.seed 0 (the same prompts and noise each step), then the same three on
 # seed 1 (the run-to-run spread FP8's gain over lr 0 is held against), about 4 minutes a job. Then, if the lease
 # still runs, the bench (the advantages' agreement; FP8's speed-up without a remaking of its weights every group)
-# and one linear layer at Z-Image's shapes, bf16 against FP8's ways (where FP8's speed goes).
+# and one linear layer at Z-Image's shapes, bf16 against FP8's ways (where FP8's speed goes), then the bench with
+# FP8's fast accumulation and with tensorwise scales (rollout.ode_steps.fp8_fast_accum, fp8_scaling).
 # A job the lease's end cuts still brings its metrics home (lease.sh packs runs/ at each wait).
 # Verdict and picture: python docs/perf/ode_steps/plot_learning.py FOLDER
 V=docs/perf/vllm_omni/gpu_runs.sh
+W="rollout.sde_window.size=1 rollout.sde_window.range=[1,4]" F=rollout.ode_steps.precision=fp8
 C="rollout.replica_num_gpus=0.5 cluster.worker_num_gpus=0.5 rollout.engine=diffusers train.groups_per_step=1"
 C="$C train.learning_rate=1e-3 model.lora_target_modules=[all_final_layer.2-1.linear]"
 exec bash docs/perf/kernels/lease.sh start RUNS=$V setup model:z_image JOB_TIMEOUT=420 \
@@ -25,6 +27,6 @@ exec bash docs/perf/kernels/lease.sh start RUNS=$V setup model:z_image JOB_TIMEO
   "JOBARGS=$C train.seed=1" job:z_image,ode_model_seed1,30 \
   "JOBARGS=$C train.seed=1 train.learning_rate=0" job:z_image,ode_lr0_seed1,30 \
   "JOBARGS=$C train.seed=1 rollout.ode_steps.precision=fp8" job:z_image,ode_fp8_seed1,30 \
-  ODE_GROUPS=4 THRESHOLDS= BENCH_TIMEOUT=400 \
-  "EXTRA=rollout.sde_window.size=1 rollout.sde_window.range=[1,4]" odesteps:z_image EXTRA= BENCH_TIMEOUT=240 \
-  fp8linear:z_image
+  ODE_GROUPS=4 THRESHOLDS= BENCH_TIMEOUT=400 "EXTRA=$W" odesteps:z_image EXTRA= BENCH_TIMEOUT=240 \
+  fp8linear:z_image BENCH_TIMEOUT=400 "EXTRA=$W $F rollout.ode_steps.fp8_fast_accum=true" odesteps:z_image \
+  "EXTRA=$W $F rollout.ode_steps.fp8_scaling=tensorwise" odesteps:z_image

@@ -5,10 +5,11 @@
 # known settings (activation budget 0.25: 30.9 % on an H100, 32.0 % on an H200), the same with guards skipped (60
 # blocks, twice Z-Image's), then less recomputation (budget 0.5 at micro-batches of 4; an H100 may run out of memory),
 # then cheaper ODE steps on Qwen-Image. The first two profile one more micro-batch: what binds under torch 2.13
-# (the profile of 2026-11-27 was torch 2.11's). Send the first device call alone, naming the kind (docs/perf/vllm_omni/README.md).
+# (the profile of 2026-11-27 was torch 2.11's). First, 2 minutes: one linear layer at both families' block shapes, bf16
+# against FP8's ways (docs/perf/ode_steps/fp8_linear_bench.py), unless the learning lease already brought it. Send the first device call alone, naming the kind (docs/perf/vllm_omni/README.md).
 V=docs/perf/vllm_omni/gpu_runs.sh
 B="train.gradient_checkpointing=false train.activation_memory_budget"
-exec bash docs/perf/kernels/lease.sh start RUNS=$V setup model:qwen_image BENCH_TIMEOUT=360 PROFILE=1 \
+exec bash docs/perf/kernels/lease.sh start RUNS=$V setup fp8linear model:qwen_image BENCH_TIMEOUT=360 PROFILE=1 \
   "EXTRA=$B=0.25" trainstep:qwen_image "EXTRA=$B=0.25 model.compile.guards=skip" trainstep:qwen_image PROFILE=0 \
   "EXTRA=$B=0.5 train.micro_batch_size=4" trainstep:qwen_image EXTRA= \
   ODE_GROUPS=8 THRESHOLDS= BENCH_TIMEOUT=500 odesteps:qwen_image
