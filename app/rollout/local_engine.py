@@ -235,8 +235,8 @@ class LocalEngine:
             for way in cheaper:
                 way.close()
                 self._ode_stats.update(way.stats())
-                if isinstance(way, OdeStepFp8) and way.fresh:
-                    self._fp8_made = (self._weights_generation, way.scaling, way.fast_accum)
+                if isinstance(way, OdeStepFp8) and way.fresh:  # made with this engine's settings (`fp8_step`)
+                    self._fp8_made = self._fp8_wanted()
 
     def _fp8_wanted(self) -> tuple:
         return self._weights_generation, self.ode_fp8_scaling, self.ode_fp8_fast_accum

@@ -11,6 +11,8 @@ near half a step's time in bf16 would allow more. This times, per shape, CUDA ev
 - `fp8_tensorwise`: one scale for the activations and one for the weight (cuBLASLt's kernel), quantization included;
 - `fp8_tensorwise_fast`: that with fast accumulation.
 
+Every FP8 way but the GEMM alone is the project's layer set as `rollout.ode_steps.fp8_scaling` / `fp8_fast_accum` set it.
+
 Prints one JSON line per shape: milliseconds and TFLOP/s of each, and each one's speed-up over bf16.
 
     python docs/perf/ode_steps/fp8_linear_bench.py [--tokens 17600]   # a CPU dry run: --tokens 64 --repeats 1
@@ -19,43 +21,40 @@ Prints one JSON line per shape: milliseconds and TFLOP/s of each, and each one's
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import time
 
 import torch
 import torch.nn.functional as F
 
-from app.rollout.ode_steps import FP8, FP8_MAX, _quantize_weight, fp8_linear_forward, quantize_rows
+from app.rollout.ode_steps import _quantize_weight, fp8_linear_forward, quantize_rows
 
 # (name, in, out): the blocks' linear layers of Z-Image (dim 3840, SwiGLU 10240) and Qwen-Image (3072, GELU 12288)
 SHAPES = [("z_image.attn", 3840, 3840), ("z_image.ffn_up", 3840, 10240), ("z_image.ffn_down", 10240, 3840),
           ("qwen_image.attn", 3072, 3072), ("qwen_image.mlp_up", 3072, 12288), ("qwen_image.mlp_down", 12288, 3072)]
-
-
-def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = t.abs().amax().float().clamp(min=1e-12) / FP8_MAX
-    return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+# FP8's ways through the project's layer: (scaling, fast accumulation), as `rollout.ode_steps` sets them
+FP8_WAYS = {"fp8_rowwise": ("rowwise", False), "fp8_rowwise_fast": ("rowwise", True),
+            "fp8_tensorwise": ("tensorwise", False), "fp8_tensorwise_fast": ("tensorwise", True)}
 
 
 def ways(layer: torch.nn.Linear):
-    w_row, w_scale = layer._ode_fp8_weight, layer._ode_fp8_scale
-    w_t, w_t_scale = quantize_tensor(layer.weight.detach())
+    """{way: (function, its arguments' maker)}: bf16, each FP8 way on a copy of the layer quantized its way, and the
+    rowwise GEMM alone on activations quantized beforehand."""
+    found = {"bf16": (lambda x: F.linear(x, layer.weight), lambda x: (x,))}
+    for way, (scaling, fast) in FP8_WAYS.items():
+        fp8 = copy.deepcopy(layer)
+        _quantize_weight(fp8, scaling, fast)
+        found[way] = (functools.partial(fp8_linear_forward, fp8), lambda x: (x,))
+    rowwise = found["fp8_rowwise"][0].args[0]
 
-    def rowwise_mm(q, scale, fast=False):
-        return torch._scaled_mm(q, w_row.t(), scale_a=scale, scale_b=w_scale, out_dtype=torch.bfloat16,
-                                use_fast_accum=fast)
+    def gemm(q, scale):
+        return torch._scaled_mm(q, rowwise._ode_fp8_weight.t(), scale_a=scale, scale_b=rowwise._ode_fp8_scale,
+                                out_dtype=torch.bfloat16)
 
-    def tensorwise(x, fast=False):
-        q, scale = quantize_tensor(x)
-        return torch._scaled_mm(q, w_t.t(), scale_a=scale, scale_b=w_t_scale, out_dtype=torch.bfloat16,
-                                use_fast_accum=fast)
-
-    return {"bf16": lambda x: F.linear(x, layer.weight),
-            "fp8_rowwise": lambda x: fp8_linear_forward(layer, x),
-            "fp8_rowwise_mm": lambda q, s: rowwise_mm(q, s),
-            "fp8_rowwise_fast": lambda x: rowwise_mm(*quantize_rows(x), fast=True),
-            "fp8_tensorwise": lambda x: tensorwise(x),
-            "fp8_tensorwise_fast": lambda x: tensorwise(x, fast=True)}
+    found["fp8_rowwise_mm"] = (gemm, quantize_rows)
+    return found
 
 
 def time_ms(fn, args, repeats: int = 20) -> float:
@@ -88,16 +87,13 @@ def main() -> None:
         if args.family and not name.startswith(args.family + "."):
             continue
         layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16).requires_grad_(False)
-        _quantize_weight(layer)
         x = torch.randn(args.tokens, k, device=device, dtype=torch.bfloat16)
         gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         row = {"shape": name, "tokens": args.tokens, "in": k, "out": n, "device": gpu}
         flop = 2 * args.tokens * k * n
         with torch.no_grad():
-            for way, fn in ways(layer).items():
-                compiled = torch.compile(fn)
-                call_args = quantize_rows(x) if way == "fp8_rowwise_mm" else (x,)
-                ms = time_ms(compiled, call_args, args.repeats)
+            for way, (fn, arguments) in ways(layer).items():
+                ms = time_ms(torch.compile(fn), arguments(x), args.repeats)
                 row[way] = {"ms": round(ms, 4), "tflops": round(flop / ms / 1e9, 1)}
         for way in row:
             if isinstance(row[way], dict) and way != "bf16":
