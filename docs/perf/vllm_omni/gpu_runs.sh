@@ -4,7 +4,7 @@
 # through docs/perf/kernels/lease.sh (RUNS=docs/perf/vllm_omni/gpu_runs.sh), after the pinned stack was carried and
 # installed (docs/perf/vllm_omni/README.md, "A lease"):
 #   bash docs/perf/vllm_omni/gpu_runs.sh setup | tests | sdpacheck | sd3diag | model FAMILY | bench FAMILY,ENGINE,MODE | loop MODE
-#                                        | trainstep FAMILY | job FAMILY,NAME,STEPS | odesteps FAMILY
+#                                        | trainstep FAMILY | job FAMILY,NAME,STEPS | joinjobs | odesteps FAMILY
 #                                        | serving FAMILY | fp8linear [FAMILY]
 # FAMILY: qwen_image | sd3 | bagel | flux | z_image | wan (videos: a group of 8 at 480p, 33 frames); ENGINE: vllm_omni | local (diffusers; BAGEL's own model); MODE: eager | best
 # (vllm-omni: its regional torch.compile, the adapter in vLLM's LoRA layers; ours: compiled blocks, the adapter
@@ -125,17 +125,38 @@ case "$1" in
       --concurrency ${CLIENTS:-1 4 16 64} 2>"$OUT/${family}_serving.err" | tail -n 12
     tail -n 3 "$OUT/${family}_serving.err" ;;
   job)  # job FAMILY,NAME,STEPS: the family's 2-GPU recipe in jobs.train, JPEG reward, pipelined; RETRY_NOCUDNN=1:
-    # a failed job runs once more without cuDNN's attention, named NAME_nocudnn
+    # a failed job runs once more without cuDNN's attention, named NAME_nocudnn. BESIDE=1: the job starts in the
+    # background, beside the other jobs started so (each its own local Ray cluster and Serve port; `joinjobs`
+    # waits for them), where every GPU holds BESIDE_MIN_MIB (default 100000: an H200, not an H100, fits two
+    # real-size jobs); elsewhere it runs now. Their start-ups overlap the other's steps: a learning check's jobs
+    # (issue 54) in less device time; their timings are then not one job's
     IFS=, read -r family base steps <<< "$2"
+    if [ "${BESIDE:-0}" = 1 ]; then
+      least=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sort -n | head -1)
+      if [ "${least:-0}" -ge "${BESIDE_MIN_MIB:-100000}" ]; then
+        mkdir -p /tmp/jobs_beside; port=$((8001 + $(ls /tmp/jobs_beside | wc -l)))
+        # (the overrides as words again: bash passes no array to a child)
+        env BESIDE=0 SERVE_PORT=$port EXTRA="${EXTRA[*]}" JOBARGS="${JOBARGS[*]}" bash "$0" job "$2" \
+          > "$OUT/${base}_stage.txt" 2>&1 < /dev/null &
+        echo $! > /tmp/jobs_beside/$base.pid; echo "$base: started beside the others (Serve port $port)"; exit 0
+      fi
+      echo "$base: runs alone (a GPU of ${least:-no} MiB: under BESIDE_MIN_MIB)"
+    fi
     for kernels in "" "model.attention_kernels=[flash,efficient,math]"; do
       name=$base${kernels:+_nocudnn}
       timeout ${JOB_TIMEOUT:-560} python -m jobs.train --config ${CFG[$family]} model.path="$MODELS/$family" \
         model.compile.cache_dir=$CACHE ${SET[$family]} "reward.weights={jpeg_compressibility: 1.0}" train.num_steps=$steps \
-        train.checkpoint_every=0 eval.every=0 eval.before_train=false logging.image_every=0 logging.dir=/tmp/runs/$name \
+        cluster.serve_port=${SERVE_PORT:-8000} train.checkpoint_every=0 eval.every=0 eval.before_train=false logging.image_every=0 logging.dir=/tmp/runs/$name \
         "${JOBARGS[@]}" "${EXTRA[@]}" $kernels > "$OUT/$name.log" 2>&1
       code=$?; echo "$name: exit $code"; cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
       grep -E "\[flowgrpo\] step|Error" "$OUT/$name.log" | tail -n 12
       [ $code = 0 ] || [ "${RETRY_NOCUDNN:-0}" != 1 ] && break
+    done ;;
+  joinjobs)  # wait for the jobs started beside the others (job with BESIDE=1), then show each one's stage output
+    for pid in /tmp/jobs_beside/*.pid; do
+      [ -e "$pid" ] || continue
+      while kill -0 "$(cat "$pid")" 2>/dev/null; do sleep 5; done
+      cat "$OUT/$(basename "$pid" .pid)_stage.txt"; rm -f "$pid"
     done ;;
   fp8linear)  # [FAMILY] one linear layer at the blocks' shapes, bf16 against FP8's ways (docs/perf/ode_steps/fp8_linear_bench.py)
     timeout ${BENCH_TIMEOUT:-300} python docs/perf/ode_steps/fp8_linear_bench.py ${2:+--family $2} > "$OUT/fp8_linear.jsonl" \

@@ -10,7 +10,9 @@
 # FLUX learn (tests/train/test_z_image_learning.py), the LoRA now adapts the final projection only (the block layers
 # FP8 multiplies stay frozen; the images still come from FP8 ODE steps), lr 1e-3, one group of 16 a step, 30 steps:
 # the model's precision, FP8 and lr 0 on train.seed 0 (the same prompts and noise each step), then the same three on
-# seed 1 (the run-to-run spread FP8's gain over lr 0 is held against), about 4 minutes a job. Then, if the lease
+# seed 1 (the run-to-run spread FP8's gain over lr 0 is held against), about 4 minutes a job alone. On an H200 the
+# jobs run two at a time (gpu_runs.sh's BESIDE=1 and joinjobs: one's start-up beside the other's steps, two local
+# Ray clusters; their step times are then not one job's); on an H100 one after another. Then, if the lease
 # still runs, the bench (the advantages' agreement; FP8's speed-up without a remaking of its weights every group)
 # and one linear layer at Z-Image's shapes, bf16 against FP8's ways (where FP8's speed goes), then the bench with
 # FP8's fast accumulation and with tensorwise scales (rollout.ode_steps.fp8_fast_accum, fp8_scaling).
@@ -20,13 +22,11 @@ V=docs/perf/vllm_omni/gpu_runs.sh
 W="rollout.sde_window.size=1 rollout.sde_window.range=[1,4]" F=rollout.ode_steps.precision=fp8
 C="rollout.replica_num_gpus=0.5 cluster.worker_num_gpus=0.5 rollout.engine=diffusers train.groups_per_step=1"
 C="$C train.learning_rate=1e-3 model.lora_target_modules=[all_final_layer.2-1.linear]"
-exec bash docs/perf/kernels/lease.sh start RUNS=$V setup model:z_image JOB_TIMEOUT=420 \
-  "JOBARGS=$C" job:z_image,ode_model,30 \
-  "JOBARGS=$C rollout.ode_steps.precision=fp8" job:z_image,ode_fp8,30 \
-  "JOBARGS=$C train.learning_rate=0" job:z_image,ode_lr0,30 \
-  "JOBARGS=$C train.seed=1" job:z_image,ode_model_seed1,30 \
-  "JOBARGS=$C train.seed=1 train.learning_rate=0" job:z_image,ode_lr0_seed1,30 \
-  "JOBARGS=$C train.seed=1 rollout.ode_steps.precision=fp8" job:z_image,ode_fp8_seed1,30 \
+exec bash docs/perf/kernels/lease.sh start RUNS=$V setup model:z_image JOB_TIMEOUT=600 \
+  BESIDE=1 "JOBARGS=$C" job:z_image,ode_model,30 "JOBARGS=$C train.learning_rate=0" job:z_image,ode_lr0,30 joinjobs \
+  "JOBARGS=$C rollout.ode_steps.precision=fp8" job:z_image,ode_fp8,30 "JOBARGS=$C train.seed=1" \
+  job:z_image,ode_model_seed1,30 joinjobs "JOBARGS=$C train.seed=1 train.learning_rate=0" job:z_image,ode_lr0_seed1,30 \
+  "JOBARGS=$C train.seed=1 rollout.ode_steps.precision=fp8" job:z_image,ode_fp8_seed1,30 joinjobs BESIDE=0 \
   ODE_GROUPS=4 THRESHOLDS= BENCH_TIMEOUT=400 "EXTRA=$W" odesteps:z_image EXTRA= BENCH_TIMEOUT=240 \
   fp8linear:z_image BENCH_TIMEOUT=400 "EXTRA=$W $F rollout.ode_steps.fp8_fast_accum=true" odesteps:z_image \
   "EXTRA=$W $F rollout.ode_steps.fp8_scaling=tensorwise" odesteps:z_image
