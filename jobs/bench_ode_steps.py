@@ -9,8 +9,9 @@ rollout's speed, the reward's distribution, and the window's exactness.
 The run's prompts, groups and SDE windows (`group_request`, the run's seed, training step 0), sampled by the
 in-process diffusers engine once at full cost (the reference), once per First Block Cache threshold and, with --fp8,
 once with FP8 matmuls on the ODE steps, each setting's passes after one warm-up group of each. Prints one JSON line:
-per setting the images/s (median of --repeats passes over every group) and a group's denoising seconds (the steps
-alone, the last pass), the share of ODE forwards that reused the cache or one remaking of the FP8 weights, the
+per setting the images/s (median of --repeats passes over every group), its effective TFLOP/s and MFU (the full
+computation's FLOPs over the setting's time, as `jobs.bench_rollout` counts them) and a group's denoising seconds (the
+steps alone, the last pass), the share of ODE forwards that reused the cache or one remaking of the FP8 weights, the
 reward's mean and spread over every image, and against the reference: the speed-ups, the mean of the per-image reward
 differences with its standard error (paired: same seeds), the seed-to-seed spread of the reference's rewards, the
 learning signal's agreement (the run's group advantages from either setting's rewards: their correlation over every
@@ -30,6 +31,7 @@ from tqdm import tqdm
 
 from app.algo.advantages import step_advantages
 from app.config import load
+from app.flops import group_flops, mfu
 from app.models.family import get_family
 from app.prompt_sets import load_prompts
 from app.rewards import build_reward
@@ -78,6 +80,13 @@ def _advantages(train, rewards: list[float], group_size: int) -> list[float]:
     return [float(a) for g in sorted(adv) for a in adv[g]]
 
 
+def _effective(flops: float, seconds: float) -> dict[str, float | None]:
+    """The full computation's FLOPs over a pass's seconds: TFLOP/s (six significant digits: a tiny model's are
+    small) and, on a GPU, the effective MFU against its bf16 peak (`app.flops.mfu`)."""
+    return {"effective_tflops": float(f"{flops / seconds / 1e12:.6g}"),
+            "effective_mfu": round(mfu(flops, seconds, 1), 4) if torch.cuda.is_available() else None}
+
+
 def _agreement(a: list[float], b: list[float]) -> dict[str, float]:
     """Two settings' advantages on the same images: correlation and the share of equal signs (0 counts as a sign)."""
     corr = statistics.correlation(a, b) if statistics.pstdev(a) > 0 and statistics.pstdev(b) > 0 else float("nan")
@@ -122,12 +131,17 @@ def bench(config, groups: int, thresholds: list[float], fp8: bool, repeats: int)
         raise SystemExit("bench_ode_steps: every group must have the same size (rollout.group_size)")
     advantages = {s: _advantages(config.train, scores[s], requests[0].n) for s in settings}
     full_s, full = statistics.median(seconds[full_setting]), scores[full_setting]
+    # the full computation's useful FLOPs (every step's forward, every CFG branch), counted for every setting: a
+    # cheaper step does the work it replaces, so a setting's effective MFU rises with its speed
+    flops = sum(group_flops(family, family.denoiser_config(config.model.path), t, trained_steps=0,
+                            kl=False)["rollout"] for t in trajs[full_setting])
     # groups whose window comes first: no cheaper step before it, so its log-probs must be the reference's bit for
     # bit (after a cheaper step the window starts elsewhere; the trainer's recompute is exact there too: the tests)
     window_first = [i for i, r in enumerate(requests) if r.sde_window is not None and r.sde_window[0] == 0]
     result = {"bench": "ode_steps", "engine": engine.kind, "device": str(engine.device), "family": family.name,
               "groups": groups, "images": images, "steps": ro.num_inference_steps, "sde_window": ro.sde_window.size,
-              "full": {"images_per_s": round(images / full_s, 4),
+              "rollout_gflops_per_image": float(f"{flops / images / 1e9:.6g}"),
+              "full": {"images_per_s": round(images / full_s, 4), **_effective(flops, full_s),
                        "denoise_s_per_group": _denoise_s(trajs[full_setting]), "reward_mean": statistics.fmean(full),
                        "reward_std": statistics.stdev(full) if len(full) > 1 else 0.0}}
     for setting in settings[1:]:
@@ -137,7 +151,7 @@ def bench(config, groups: int, thresholds: list[float], fp8: bool, repeats: int)
         cached = sum(t.producer.get("ode_forwards_cached", 0) for t in trajs[setting])
         exact = all(torch.equal(trajs[setting][i].log_probs, trajs[full_setting][i].log_probs) for i in window_first)
         denoise = _denoise_s(trajs[setting])
-        row = {"images_per_s": round(images / took, 4), "speedup": round(full_s / took, 3),
+        row = {"images_per_s": round(images / took, 4), **_effective(flops, took), "speedup": round(full_s / took, 3),
                "denoise_s_per_group": denoise,
                "denoise_speedup": round(result["full"]["denoise_s_per_group"] / denoise, 3) if denoise else None,
                "reward_mean": statistics.fmean(got), "reward_std": statistics.stdev(got) if len(got) > 1 else 0.0,

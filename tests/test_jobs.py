@@ -134,6 +134,13 @@ def test_bench_ode_steps_prints_one_json_line(capfd, tiny_model_dir):
     assert result["full"]["denoise_s_per_group"] > 0 and fp8["denoise_speedup"] > 0
     for row in (cached, fp8):  # the learning signal: advantages from either setting's rewards on the same images
         assert -1.0 <= row["advantage_corr"] <= 1.0 and 0.0 <= row["advantage_sign_agreement"] <= 1.0
+    # every setting is credited with the full computation's FLOPs (a cheaper step does the work it replaces): its
+    # effective TFLOP/s over its images/s is the same FLOPs per image; no GPU, no MFU
+    per_image = result["rollout_gflops_per_image"] * 1e9
+    assert per_image > 0
+    for row in (result["full"], cached, fp8):
+        assert row["effective_tflops"] * 1e12 / row["images_per_s"] == pytest.approx(per_image, rel=1e-3)
+        assert row["effective_mfu"] is None
 
 
 def test_bench_ode_steps_advantage_agreement_is_the_runs_advantages_compared():
