@@ -4,8 +4,9 @@
 # 29.12 % MFU: not the lever); it ended in Qwen-Image's first trainer bench. Now Qwen-Image's trainer bench: the best
 # known settings (activation budget 0.25: 30.9 % on an H100, 32.0 % on an H200), the same with guards skipped (60
 # blocks, twice Z-Image's), then less recomputation (budget 0.5 at micro-batches of 4; an H100 may run out of memory),
-# then cheaper ODE steps on Qwen-Image. The first two profile one more micro-batch: what binds under torch 2.13
-# (the profile of 2026-11-27 was torch 2.11's). First, 2 minutes: one linear layer at both families' block shapes, bf16
+# then cheaper ODE steps on Qwen-Image (group of 8, CFG 4: the bench now gives each setting's effective MFU, point
+# 2's figure with FP8 ODE steps beside the model precision's). The first two profile one more micro-batch: what
+# binds under torch 2.13 (the profile of 2026-11-27 was torch 2.11's). First, 2 minutes: one linear layer at both families' block shapes, bf16
 # against FP8's ways (docs/perf/ode_steps/fp8_linear_bench.py), unless the learning lease already brought it. Send the first device call alone, naming the kind (docs/perf/vllm_omni/README.md).
 V=docs/perf/vllm_omni/gpu_runs.sh
 B="train.gradient_checkpointing=false train.activation_memory_budget"
