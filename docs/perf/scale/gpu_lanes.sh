@@ -5,7 +5,9 @@
 # until that part is done) and packs what is done into $OUT/lanes.tgz, `collect` packs only. GPU figures: the
 # diffusers engine.
 # Once both lanes are done, `quad` runs on all four GPUs one after another (its own cluster).
-#   bash docs/perf/scale/gpu_lanes.sh start [quad|learn4] | wait 540 [a|b|q] | collect
+#   bash docs/perf/scale/gpu_lanes.sh start [quad|learn4|pair2] | wait 540 [a|b|q|p] | collect
+#   (issue 54 point 4: on 4 GPUs LANES=0 QUAD_RUNS="q_2p2_keep_budget q_2p2_keep_budget_fp8" ... start quad; on 2
+#   GPUs start pair2, then wait ... p)
 #   (4-GPU runs alone, as lease7b_4xh200/: LANES=0 BENCH_EXPORT=0 QUAD_RUNS="q_2p2_keep_budget ..." ... start quad)
 #   (LANES=0: no 2-GPU lanes; QUAD_RUNS="...": which 4-GPU runs, in order; CHECK=1 NGPUS=4: a dry run on any
 #   machine, every job's config loaded and nothing run)
@@ -39,6 +41,15 @@ lane_a() { lane 0,1 a 8001; bash $RUNS job split_k1_budget 10 "${SPLIT[@]}" trai
   cluster.serve_port=$PORT; }
 lane_b() { lane 2,3 b 8002; bash $RUNS job split_k1 10 "${SPLIT[@]}" train.max_staleness=1 cluster.serve_port=$PORT; }
 SPLIT=(rollout.num_replicas=1 cluster.num_workers=1)
+FP8=(rollout.ode_steps.precision=fp8)  # the non-window steps in FP8 (issue 54 point 3: rollout.ode_steps)
+pair2() {  # issue 54 point 4 on a 2-GPU machine: the best 2-GPU split, then the same with FP8 ODE steps, 10 steps
+  # each, one after another on one machine (the ratio side by side)
+  lane 0,1 p 8004
+  for extra in "" "${FP8[*]}"; do
+    JOB_TIMEOUT=560 bash $RUNS job split_k1_budget${extra:+_fp8} 10 "${SPLIT[@]}" train.max_staleness=1 "${BUDGET[@]}" \
+      $extra cluster.serve_port=$PORT
+  done
+}
 # the 4-GPU runs in order of what issue 38 needs first; a lease that runs out leaves the rest to the next one:
 #   QUAD_RUNS="q_eager_2p2" bash gpu_lanes.sh start quad
 QUAD_RUNS=${QUAD_RUNS:-q_2p2_keep_budget q_1p3 q_shared4_mor1 q_3p1 q_eager_2p2}
@@ -57,6 +68,9 @@ placement_of() {  # placement_of NAME: the overrides of one 4-GPU placement, int
     # and activation memory in place of checkpointing (+13 GiB a rank: 1.07x on the 2-GPU split)
     q_2p2_keep_budget) PLACEMENT=(rollout.num_replicas=2 cluster.num_workers=2 train.reshard_after_forward=false
                                   "${BUDGET[@]}") ;;
+    # issue 54 point 4: the best placement with the ODE steps outside the SDE window in FP8 (point 3)
+    q_2p2_keep_budget_fp8) PLACEMENT=(rollout.num_replicas=2 cluster.num_workers=2 train.reshard_after_forward=false
+                                      "${BUDGET[@]}" "${FP8[@]}") ;;
     *) echo "unknown 4-GPU run $1"; return 1 ;;
   esac
 }
@@ -100,6 +114,8 @@ case "$1" in
   start) mkdir -p $RES
          [ -f $SEED ] && tar xzf $SEED -C /tmp && echo "compile cache seeded from $SEED"
          bash $RUNS build
+         if [ "${2:-quad}" = pair2 ]; then setsid bash $0 pair2 > $RES/pair2.out 2>&1 < /dev/null & sleep 2; echo started
+           exit 0; fi
          if [ "${2:-quad}" = quad ] && [ "${LANES:-1}" = 1 ]; then  # LANES=0: straight to the 4-GPU runs
            setsid bash $0 lane_a > $RES/lane_a.out 2>&1 < /dev/null &
            setsid bash $0 lane_b > $RES/lane_b.out 2>&1 < /dev/null &
@@ -110,6 +126,7 @@ case "$1" in
   lane_b) lane_b; touch $RES/b.done ;;
   quad) quad; touch $RES/q.done ;;
   learn4) learn4; touch $RES/q.done ;;
+  pair2) pair2; touch $RES/p.done ;;
   wait) end=$((SECONDS + $2)); until [ -f $RES/${3:-q}.done ] || [ $SECONDS -ge $end ]; do sleep 5; done
         pack ;;
   collect) pack ;;
