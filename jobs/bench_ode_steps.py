@@ -133,8 +133,8 @@ def bench(config, groups: int, thresholds: list[float], fp8: bool, repeats: int)
     full_s, full = statistics.median(seconds[full_setting]), scores[full_setting]
     # the full computation's useful FLOPs (every step's forward, every CFG branch), counted for every setting: a
     # cheaper step does the work it replaces, so a setting's effective MFU rises with its speed
-    flops = sum(group_flops(family, family.denoiser_config(config.model.path), t, trained_steps=0,
-                            kl=False)["rollout"] for t in trajs[full_setting])
+    denoiser = family.denoiser_config(config.model.path)
+    flops = sum(group_flops(family, denoiser, t, trained_steps=0, kl=False)["rollout"] for t in trajs[full_setting])
     # groups whose window comes first: no cheaper step before it, so its log-probs must be the reference's bit for
     # bit (after a cheaper step the window starts elsewhere; the trainer's recompute is exact there too: the tests)
     window_first = [i for i, r in enumerate(requests) if r.sde_window is not None and r.sde_window[0] == 0]

@@ -146,7 +146,8 @@ case "$1" in
       name=$base${kernels:+_nocudnn}
       timeout ${JOB_TIMEOUT:-560} python -m jobs.train --config ${CFG[$family]} model.path="$MODELS/$family" \
         model.compile.cache_dir=$CACHE ${SET[$family]} "reward.weights={jpeg_compressibility: 1.0}" train.num_steps=$steps \
-        cluster.serve_port=${SERVE_PORT:-8000} train.checkpoint_every=0 eval.every=0 eval.before_train=false logging.image_every=0 logging.dir=/tmp/runs/$name \
+        cluster.serve_port=${SERVE_PORT:-8000} train.checkpoint_every=0 eval.every=0 eval.before_train=false \
+        logging.image_every=0 logging.dir=/tmp/runs/$name \
         "${JOBARGS[@]}" "${EXTRA[@]}" $kernels > "$OUT/$name.log" 2>&1
       code=$?; echo "$name: exit $code"; cp /tmp/runs/$name/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2>/dev/null
       grep -E "\[flowgrpo\] step|Error" "$OUT/$name.log" | tail -n 12
