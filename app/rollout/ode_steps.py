@@ -183,15 +183,11 @@ def check_fp8_device(device: torch.device) -> None:
                          "need 8.9 or newer (L4, L40S, H100, H200, B200): use rollout.ode_steps.precision=model")
 
 
-def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`t` in float8 e4m3, its float32 scale, one number): t ≈ q * scale, its largest magnitude at FP8's max."""
-    scale = t.abs().amax().float().clamp(min=1e-12) / FP8_MAX
-    return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`t` in float8 e4m3, its float32 scale per row): t ≈ q * scale, each row's largest magnitude at FP8's max."""
-    scale = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+def quantize(t: torch.Tensor, rowwise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`t` in float8 e4m3, its float32 scale): t ≈ q * scale, the largest magnitude of each row (`rowwise`; a scale
+    per row) or of the whole tensor (one scale) at FP8's max."""
+    amax = t.abs().amax(dim=-1, keepdim=True) if rowwise else t.abs().amax()
+    scale = amax.float().clamp(min=1e-12) / FP8_MAX
     return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -208,7 +204,7 @@ def _quantize_weight(layer: torch.nn.Linear, scaling: str = "rowwise", fast_accu
     """The layer's FP8 weight and its scale (per output channel, or one), written into the buffers it keeps for
     them; the scaling and accumulation its FP8 forward then uses."""
     rowwise = scaling == "rowwise"
-    q, scale = quantize_rows(layer.weight.detach()) if rowwise else quantize_tensor(layer.weight.detach())
+    q, scale = quantize(layer.weight.detach(), rowwise)
     scale = scale.t().contiguous() if rowwise else scale  # rowwise: the scale as [1, out]
     if getattr(layer, "_ode_fp8_weight", None) is None or layer._ode_fp8_scale.shape != scale.shape:
         layer._ode_fp8_weight, layer._ode_fp8_scale = q, scale
@@ -224,7 +220,7 @@ def fp8_linear_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` with an FP8 matmul: x quantized per row and the weight per output channel, or each with one scale
     (`_quantize_weight`)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    q, scale = quantize_rows(rows) if layer._ode_fp8_rowwise else quantize_tensor(rows)
+    q, scale = quantize(rows, layer._ode_fp8_rowwise)
     # CUDA's rowwise-scaled FP8 GEMM writes bf16 only; the CPU's writes the input's dtype
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     y = torch._scaled_mm(q, layer._ode_fp8_weight.t(), scale_a=scale, scale_b=layer._ode_fp8_scale,

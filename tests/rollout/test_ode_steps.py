@@ -77,7 +77,7 @@ def test_ode_steps_keep_a_cache_per_cfg_forward(wan_engine, aio):
 def test_ode_steps_fp8_linear_matches_a_float64_reference():
     """The FP8 layer's output is the float64 product of its quantized operands (the GEMM accumulates in fp32), and
     within e4m3's rounding of the exact product; rows and channels of very different sizes keep their own scales."""
-    from app.rollout.ode_steps import FP8_MAX, _quantize_weight, fp8_linear_forward, quantize_rows
+    from app.rollout.ode_steps import FP8_MAX, _quantize_weight, fp8_linear_forward, quantize
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48)
@@ -86,7 +86,7 @@ def test_ode_steps_fp8_linear_matches_a_float64_reference():
     x = torch.randn(2, 5, 64) * torch.logspace(-3, 3, 5).view(1, 5, 1)
     _quantize_weight(layer)
     got = fp8_linear_forward(layer, x)
-    qx, sx = quantize_rows(x.reshape(-1, 64))
+    qx, sx = quantize(x.reshape(-1, 64))
     assert qx.float().abs().amax(dim=-1).eq(FP8_MAX).all()  # each row's largest at FP8's max
     dequantized = (qx.double() * sx.double()) @ (layer._ode_fp8_weight.double() * layer._ode_fp8_scale.double().t()).t()
     reference = (dequantized + layer.bias.double()).reshape(2, 5, 48)
@@ -101,7 +101,7 @@ def test_ode_steps_fp8_tensorwise_linear_matches_a_float64_reference():
     """With one scale an operand (`fp8_scaling: tensorwise`, fast accumulation asked) the layer's output is still the
     float64 product of its quantized operands and close to the exact one on even data; on rows and channels of very
     different sizes the one scale flushes the small ones, which rowwise keeps (why rowwise is the default)."""
-    from app.rollout.ode_steps import _quantize_weight, fp8_linear_forward, quantize_tensor
+    from app.rollout.ode_steps import _quantize_weight, fp8_linear_forward, quantize
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48)
@@ -109,7 +109,7 @@ def test_ode_steps_fp8_tensorwise_linear_matches_a_float64_reference():
     _quantize_weight(layer, "tensorwise", fast_accum=True)
     assert layer._ode_fp8_scale.shape == () and layer._ode_fp8_fast_accum
     got = fp8_linear_forward(layer, x)
-    qx, sx = quantize_tensor(x.reshape(-1, 64))
+    qx, sx = quantize(x.reshape(-1, 64), rowwise=False)
     dequantized = (qx.double() * sx.double()) @ (layer._ode_fp8_weight.double() * layer._ode_fp8_scale.double()).t()
     reference = (dequantized + layer.bias.double()).reshape(2, 5, 48)
     assert torch.allclose(got.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().amax().item())

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from app.rollout.ode_steps import _quantize_weight, fp8_linear_forward, quantize_rows
+from app.rollout.ode_steps import _quantize_weight, fp8_linear_forward, quantize
 
 # (name, in, out): the blocks' linear layers of Z-Image (dim 3840, SwiGLU 10240) and Qwen-Image (3072, GELU 12288)
 SHAPES = [("z_image.attn", 3840, 3840), ("z_image.ffn_up", 3840, 10240), ("z_image.ffn_down", 10240, 3840),
@@ -53,7 +53,7 @@ def ways(layer: torch.nn.Linear):
         return torch._scaled_mm(q, rowwise._ode_fp8_weight.t(), scale_a=scale, scale_b=rowwise._ode_fp8_scale,
                                 out_dtype=torch.bfloat16)
 
-    found["fp8_rowwise_mm"] = (gemm, quantize_rows)
+    found["fp8_rowwise_mm"] = (gemm, quantize)
     return found
 
 

@@ -46,7 +46,7 @@ pair2() {  # issue 54 point 4 on a 2-GPU machine: the best 2-GPU split, then the
   # each, one after another on one machine (the ratio side by side)
   lane 0,1 p 8004
   for extra in "" "${FP8[*]}"; do
-    JOB_TIMEOUT=560 bash $RUNS job split_k1_budget${extra:+_fp8} 10 "${SPLIT[@]}" train.max_staleness=1 "${BUDGET[@]}" \
+    bash $RUNS job split_k1_budget${extra:+_fp8} 10 "${SPLIT[@]}" train.max_staleness=1 "${BUDGET[@]}" \
       $extra cluster.serve_port=$PORT
   done
 }
